@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh machine:
+#   make run    the main job on the embedded default model (CPU)
+#   make test   the test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch that lies on this kind of machine's disk; a GPU node sets TORCH_SPEC to its own.
+TORCH_SPEC ?= torch==2.13.0
+INSTALLED := $(VENV)/.installed
+MODEL_DIR := .cache/models/smollm2-135m-instruct
+
+.PHONY: run test venv model data clean
+
+venv: $(INSTALLED)
+
+$(INSTALLED): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+model: $(MODEL_DIR)/config.json
+
+$(MODEL_DIR)/config.json: | $(INSTALLED)
+	$(PY) -m jobs.models default --out $(MODEL_DIR)
+
+data: $(INSTALLED)
+	$(PY) -m jobs.synthetic --out data
+
+run: $(INSTALLED) model
+	$(PY) -m jobs.demo
+
+test: $(INSTALLED) model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .cache runs

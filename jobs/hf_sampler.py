@@ -1,0 +1,97 @@
+"""A transformers sampler, for machines without vLLM and for cross-checks.
+
+Hand-written decode loop, because `generate()` pads finished rows with a token that can also be a
+stop token and cannot say where each row stopped on a stop string; with the n samples of a request
+sharing one prompt, a plain KV-cached loop needs no padding and reports every token exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from jobs.sampling import SampledSequence, SampleRequest, SamplingSettings
+
+
+class HFSampler:
+    def __init__(self, model_path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = Path(model_path)
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(self.device).eval()
+
+    def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
+        if not requests:
+            return []
+        return self._sample_batch(requests, settings)
+
+    @torch.inference_mode()
+    def _sample_batch(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
+        """Decodes every sample of every request in one left-padded batch; rows leave the batch as
+        they finish. Each request draws from its own generator seeded with its seed."""
+        owners = [index for index, request in enumerate(requests) for _ in range(request.num_samples)]
+        prompts = [requests[index].prompt_tokens for index in owners]
+        width = max(len(prompt) for prompt in prompts)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        output = self.model(input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        cache, logits = output.past_key_values, output.logits[:, -1, :].float()
+        positions = positions[:, -1]
+        generators = [torch.Generator(device=self.device).manual_seed(request.seed) for request in requests]
+        tokens: list[list[int]] = [[] for _ in owners]
+        logprobs: list[list[float]] = [[] for _ in owners]
+        finish: list[str | None] = [None] * len(owners)
+        window = max((len(stop) for stop in settings.stop_strings), default=0) + 1
+        alive = list(range(len(owners)))  # row of each batch position
+        while alive:
+            next_tokens = torch.empty(len(alive), dtype=torch.long, device=self.device)
+            for index, generator in enumerate(generators):  # per-request draws keep each seed's stream its own
+                batch_positions = [p for p, row in enumerate(alive) if owners[row] == index]
+                if batch_positions:
+                    next_tokens[batch_positions] = _draw(logits[batch_positions], settings, generator)
+            # Logprobs of the unscaled distribution, as vLLM reports them and the trainer computes them.
+            chosen = torch.log_softmax(logits, dim=-1).gather(1, next_tokens[:, None]).squeeze(1).tolist()
+            still_alive = []
+            for position, row in enumerate(alive):
+                token = int(next_tokens[position])
+                tokens[row].append(token)
+                logprobs[row].append(chosen[position])
+                if token in settings.stop_token_ids:
+                    finish[row] = "stop"
+                elif settings.stop_strings and any(stop in self.tokenizer.decode(tokens[row][-window:]) for stop in settings.stop_strings):
+                    finish[row] = "stop"
+                elif len(tokens[row]) >= requests[owners[row]].max_tokens:
+                    finish[row] = "length"
+                else:
+                    still_alive.append(position)
+            if not still_alive:
+                break
+            if len(still_alive) < len(alive):
+                keep = torch.tensor(still_alive, device=self.device)
+                cache.batch_select_indices(keep)
+                mask, positions, next_tokens = mask[keep], positions[keep], next_tokens[keep]
+            alive = [alive[position] for position in still_alive]
+            mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
+            positions = positions + 1
+            output = self.model(next_tokens[:, None], attention_mask=mask, position_ids=positions[:, None], cache=cache, use_cache=True)
+            cache, logits = output.past_key_values, output.logits[:, -1, :].float()
+        replies: list[list[SampledSequence]] = [[] for _ in requests]
+        for row, owner in enumerate(owners):
+            replies[owner].append(SampledSequence(tuple(tokens[row]), tuple(logprobs[row]), finish[row] or "length"))
+        return replies
+
+
+def _draw(logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator) -> torch.Tensor:
+    probs = torch.softmax(logits / settings.temperature, dim=-1)
+    if settings.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs > settings.top_p  # keep the smallest set reaching top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)

@@ -1,0 +1,212 @@
+"""Runs the model's Python in a fresh, limited child process per call.
+
+`python -m jobs.sandbox FILE` prints the observation exactly as the model would see it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+RUNNER = Path(__file__).with_name("sandbox_runner.py")
+# Names of the protocol's own wrapper tags: code output must not be able to fake them.
+PROTOCOL_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+_ZERO_WIDTH_SPACE = "\u200b"
+# Thread pools inside numpy/BLAS would oversubscribe the machine with parallel calls.
+_SINGLE_THREADED = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")}
+# Hardware workarounds for OpenBLAS on some processors; not secrets, and numpy may crash without them.
+_PASSED_THROUGH = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    timeout_seconds: float = 10.0  # wall clock for one call, children included
+    cpu_seconds: int = 10  # RLIMIT_CPU of the child
+    memory_mb: int = 2048  # RLIMIT_AS of the child (0 = no limit)
+    file_mb: int = 64  # RLIMIT_FSIZE: caps every file the code writes, its output files included
+    output_tail_bytes: int = 8192  # how much of the end of stdout and of stderr is read back
+    max_workers: int = 4  # calls running at the same time, across threads and event loops
+    python: str = sys.executable  # interpreter for the child (needs the math libraries)
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_seconds", "cpu_seconds", "file_mb", "output_tail_bytes", "max_workers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SandboxConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.memory_mb < 0:
+            raise ValueError(f"SandboxConfig.memory_mb must be >= 0, got {self.memory_mb}")
+
+
+@dataclass(frozen=True)
+class ExecutionResult:
+    status: str  # ok | error | timeout
+    stdout: str  # tail of standard output
+    stderr: str  # tail of standard error (tracebacks land here)
+    seconds: float  # wall time of the call
+    exit_code: int | None  # the child's exit status; negative for a signal; None after a timeout
+
+
+@dataclass
+class SandboxStats:
+    calls: int = 0
+    ok: int = 0
+    error: int = 0
+    timeout: int = 0
+    total_seconds: float = 0.0
+    max_seconds: float = 0.0
+
+    def record(self, result: ExecutionResult) -> None:
+        self.calls += 1
+        setattr(self, result.status, getattr(self, result.status) + 1)
+        self.total_seconds += result.seconds
+        self.max_seconds = max(self.max_seconds, result.seconds)
+
+
+def _read_tail(path: Path, limit: int) -> str:
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        handle.seek(max(0, size - limit))
+        data = handle.read()
+    text = data.decode("utf-8", errors="replace")
+    return f"[... {size - limit} bytes truncated ...]\n{text}" if size > limit else text
+
+
+def neutralise(text: str, forbidden: Sequence[str]) -> str:
+    """Breaks every occurrence of a special token or protocol tag so it reads the same but cannot
+    tokenize to the real token (a zero-width space after its first character)."""
+    for token in sorted(forbidden, key=len, reverse=True):
+        if len(token) > 1 and token in text:
+            text = text.replace(token, token[0] + _ZERO_WIDTH_SPACE + token[1:])
+    return text
+
+
+@dataclass
+class Sandbox:
+    config: SandboxConfig = field(default_factory=SandboxConfig)
+    forbidden_strings: tuple[str, ...] = PROTOCOL_MARKERS  # neutralised in every observation
+    stats: SandboxStats = field(default_factory=SandboxStats)
+
+    def __post_init__(self) -> None:
+        self._slots = threading.BoundedSemaphore(self.config.max_workers)
+        self._stats_lock = threading.Lock()
+
+    def _environment(self, workdir: str) -> dict[str, str]:
+        environment = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "MPLBACKEND": "Agg"}
+        environment.update(_SINGLE_THREADED)
+        environment.update({name: os.environ[name] for name in _PASSED_THROUGH if name in os.environ})
+        return environment
+
+    def run_code(self, code: str) -> ExecutionResult:
+        """Runs one call; safe to call from many threads (at most max_workers run at once)."""
+        with self._slots:
+            result = self._run(code)
+        with self._stats_lock:
+            self.stats.record(result)
+        return result
+
+    async def arun_code(self, code: str) -> ExecutionResult:
+        return await asyncio.to_thread(self.run_code, code)
+
+    def run_many(self, codes: Sequence[str]) -> list[ExecutionResult]:
+        """Runs calls concurrently; results come back in the order of `codes`."""
+        if not codes:
+            return []
+        with ThreadPoolExecutor(max_workers=min(len(codes), self.config.max_workers)) as pool:
+            return list(pool.map(self.run_code, codes))
+
+    def _run(self, code: str) -> ExecutionResult:
+        config = self.config
+        workdir = tempfile.mkdtemp(prefix="retool-sandbox-")
+        try:
+            code_file, out_file, err_file = (Path(workdir, name) for name in ("cell.py", ".stdout", ".stderr"))
+            code_file.write_text(code, encoding="utf-8")
+            argv = [config.python, "-I", str(RUNNER), str(code_file), str(config.cpu_seconds), str(config.memory_mb * 2**20), str(config.file_mb * 2**20)]
+            started = time.perf_counter()
+            with out_file.open("wb") as stdout, err_file.open("wb") as stderr:
+                child = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, cwd=workdir,
+                    env=self._environment(workdir), close_fds=True, start_new_session=True,
+                )
+                try:
+                    exit_code: int | None = child.wait(timeout=config.timeout_seconds)
+                except subprocess.TimeoutExpired:
+                    exit_code = None
+                finally:
+                    _kill_group(child)  # also reaps children the code left running
+            seconds = time.perf_counter() - started
+            output_limited = max(out_file.stat().st_size, err_file.stat().st_size) >= config.file_mb * 2**20
+            stdout_text = _read_tail(out_file, config.output_tail_bytes)
+            stderr_text = _read_tail(err_file, config.output_tail_bytes)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        status, note = _classify(exit_code, output_limited, config)
+        if note:
+            stderr_text = f"{stderr_text.rstrip(chr(10))}\n{note}\n".lstrip("\n")
+        return ExecutionResult(status, stdout_text, stderr_text, seconds, exit_code)
+
+    def observation(self, result: ExecutionResult) -> str:
+        """The tool message content the model sees for one call."""
+        parts = [part.rstrip("\n") for part in (result.stdout, result.stderr) if part.strip()]
+        text = "\n".join(parts) if parts else "(no output)"
+        return neutralise(text, self.forbidden_strings)
+
+
+def _classify(exit_code: int | None, output_limited: bool, config: SandboxConfig) -> tuple[str, str]:
+    """Status and an explanatory last line for the observation, from how the child ended."""
+    if exit_code is None:
+        return "timeout", f"TimeoutError: execution exceeded the wall-clock limit of {config.timeout_seconds:g} s"
+    if exit_code == -signal.SIGXCPU:
+        return "timeout", f"TimeoutError: execution exceeded the CPU limit of {config.cpu_seconds} s"
+    if output_limited:
+        return "error", f"OutputLimitError: output exceeded {config.file_mb} MB and was cut off"
+    if exit_code < 0:
+        return "error", f"Process killed by signal {signal.Signals(-exit_code).name}"
+    return ("ok", "") if exit_code == 0 else ("error", "")
+
+
+def _kill_group(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    child.wait()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run a Python file in the sandbox and print what the model would see.")
+    parser.add_argument("file", type=Path, help="Python file to run")
+    parser.add_argument("--json", action="store_true", help="print status, stdout, stderr and seconds as JSON")
+    parser.add_argument("--timeout", type=float, default=SandboxConfig.timeout_seconds, help="wall-clock limit in seconds")
+    parser.add_argument("--memory-mb", type=int, default=SandboxConfig.memory_mb, help="address-space limit in MB")
+    parser.add_argument("--tokenizer", help="model folder whose special tokens are neutralised in the output")
+    args = parser.parse_args(argv)
+    if not args.file.is_file():
+        parser.error(f"{args.file}: no such file")
+    forbidden = PROTOCOL_MARKERS
+    if args.tokenizer:
+        from jobs.protocol import special_token_strings, load_tokenizer
+
+        forbidden = forbidden + special_token_strings(load_tokenizer(args.tokenizer))
+    sandbox = Sandbox(SandboxConfig(timeout_seconds=args.timeout, memory_mb=args.memory_mb), forbidden_strings=forbidden)
+    result = sandbox.run_code(args.file.read_text(encoding="utf-8"))
+    if args.json:
+        print(json.dumps({key: value for key, value in asdict(result).items()}, ensure_ascii=False, indent=2))
+    else:
+        print(sandbox.observation(result))
+    return 0 if result.status == "ok" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

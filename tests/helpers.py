@@ -1,0 +1,60 @@
+"""Test doubles: tool-call text in either format, scripted policies, and an instant sandbox."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from jobs.protocol import ChatProtocol
+from jobs.sandbox import ExecutionResult, SandboxStats
+
+
+def tool_call_text(code: str, tool_format: str, preamble: str = "Let me compute this.") -> str:
+    if tool_format == "xml":
+        body = f"<function=code_interpreter>\n<parameter=code>\n{code}\n</parameter>\n</function>"
+    else:
+        body = json.dumps({"name": "code_interpreter", "arguments": {"code": code}})
+    return f"{preamble}\n<tool_call>\n{body}\n</tool_call>"
+
+
+def completion(protocol: ChatProtocol, text: str, close: bool = True, logprob: float = -0.25) -> tuple[list[int], list[float]]:
+    """Tokens of `text` (plus the end-of-turn token when `close`), with a constant logprob."""
+    tokens = protocol.encode(text) + ([protocol.stop_token_ids[0]] if close else [])
+    return tokens, [logprob] * len(tokens)
+
+
+@dataclass
+class InstantSandbox:
+    """Runs nothing: code `print('x' * N)` 'prints' N x's, anything else prints the code back."""
+
+    stats: SandboxStats = field(default_factory=SandboxStats)
+
+    def run_many(self, codes):
+        results = []
+        for code in codes:
+            if code.startswith("print('x' * ") and code.endswith(")"):
+                output = "x" * int(code[len("print('x' * ") : -1]) + "\n"
+            else:
+                output = f"ran: {code}\n"
+            result = ExecutionResult("ok", output, "", 0.001, 0)
+            self.stats.record(result)
+            results.append(result)
+        return results
+
+    def observation(self, result: ExecutionResult) -> str:
+        return (result.stdout + result.stderr).rstrip("\n") or "(no output)"
+
+
+def turn_of(request) -> int:
+    """The turn number a request samples (the low bits of its seed, see jobs.rollout.sample_seed)."""
+    return request.seed & 63
+
+
+def scripted(protocol: ChatProtocol, choose, close: bool = True):
+    """A script for ScriptedSampler from `choose(question_index, group_index, turn) -> text`."""
+
+    def script(request, index):
+        group_index = request.group_indices[index]
+        return completion(protocol, choose(request.question_index, group_index, turn_of(request)), close=close)
+
+    return script

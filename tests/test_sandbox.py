@@ -1,0 +1,162 @@
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.sandbox import Sandbox, SandboxConfig, neutralise
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    return Sandbox(SandboxConfig(timeout_seconds=3, cpu_seconds=3, memory_mb=512, output_tail_bytes=2000, max_workers=2))
+
+
+def test_ok_output(sandbox):
+    result = sandbox.run_code("print(6 * 7)")
+    assert (result.status, result.stdout, result.exit_code) == ("ok", "42\n", 0)
+
+
+@pytest.mark.parametrize(
+    ("code", "observation"),
+    [
+        ("x = 3\nx * 2", "6"),
+        ("def f():\n    return 1\nif True:\n    y = f()", "(no output)"),  # indented last line
+        ("x = 5", "(no output)"),  # an assignment prints nothing
+        ("print('a')\nNone", "a"),
+        ("'text'", "'text'"),
+        ("import math\nfor i in range(2):\n    print(i)\nmath.factorial(5)", "0\n1\n120"),
+    ],
+)
+def test_trailing_expression_is_printed(sandbox, code, observation):
+    assert sandbox.observation(sandbox.run_code(code)) == observation
+
+
+def test_exception_comes_back_as_traceback(sandbox):
+    result = sandbox.run_code("x = 1\n1 / 0")
+    assert result.status == "error"
+    assert 'File "<code>", line 2' in result.stderr and "ZeroDivisionError: division by zero" in result.stderr
+    assert "sandbox_runner" not in result.stderr
+
+
+def test_syntax_error_comes_back(sandbox):
+    result = sandbox.run_code("def f(:\n")
+    assert result.status == "error" and "SyntaxError" in result.stderr
+
+
+def test_timeout_kills_the_whole_process_group(sandbox):
+    code = "import subprocess, time\nchild = subprocess.Popen(['sleep', '60'])\nprint(child.pid, flush=True)\ntime.sleep(60)"
+    started = time.monotonic()
+    result = sandbox.run_code(code)
+    assert result.status == "timeout" and "TimeoutError" in result.stderr
+    assert time.monotonic() - started < 10
+    time.sleep(0.2)
+    assert not process_alive(int(result.stdout.split()[0]))
+
+
+def test_children_left_running_are_killed_after_a_normal_exit(sandbox):
+    result = sandbox.run_code("import subprocess\nprint(subprocess.Popen(['sleep', '60']).pid)")
+    assert result.status == "ok"
+    time.sleep(0.2)
+    assert not process_alive(int(result.stdout))
+
+
+def test_cpu_limit_stops_busy_loops(sandbox):
+    result = Sandbox(SandboxConfig(timeout_seconds=20, cpu_seconds=1)).run_code("while True: pass")
+    assert result.status == "timeout" and "CPU" in result.stderr
+
+
+def test_print_flood_is_capped(sandbox):
+    result = sandbox.run_code("for i in range(10**6): print('flood', i)")
+    assert result.status == "ok"
+    assert len(result.stdout) < 2100 and "bytes truncated" in result.stdout
+    assert result.stdout.rstrip().endswith("flood 999999")  # the tail is kept
+
+
+def test_output_file_limit_stops_endless_print():
+    small = Sandbox(SandboxConfig(timeout_seconds=20, file_mb=1))
+    result = small.run_code("while True: print('x' * 1000)")
+    assert result.status == "error" and "OutputLimitError" in result.stderr
+
+
+def test_memory_bomb_is_stopped(sandbox):
+    result = sandbox.run_code("x = bytearray(4 * 1024**3)")
+    assert result.status == "error" and "MemoryError" in result.stderr
+
+
+def test_environment_is_clean(sandbox, monkeypatch):
+    monkeypatch.setenv("RETOOL_SECRET", "hunter2")
+    result = sandbox.run_code("import os\nprint(sorted(os.environ))\nprint(os.getcwd())")
+    assert "RETOOL_SECRET" not in result.stdout and "hunter2" not in result.stdout
+    assert "retool-sandbox-" in result.stdout
+    assert "OMP_NUM_THREADS" in result.stdout
+
+
+def test_working_directory_is_removed(sandbox):
+    result = sandbox.run_code("import os\nopen('f.txt', 'w').write('x')\nprint(os.getcwd())")
+    assert not Path(result.stdout.strip()).exists()
+
+
+def test_math_libraries_are_available(sandbox):
+    assert sandbox.run_code("import sympy, numpy\nsympy.factorint(360)").stdout.strip() == "{2: 3, 3: 2, 5: 1}"
+
+
+def test_special_tokens_are_neutralised(sandbox, tokenizer):
+    from jobs.protocol import special_token_strings
+
+    forbidden = special_token_strings(tokenizer) + ("</tool_response>",)
+    text = neutralise(sandbox.observation(sandbox.run_code("print('<|im_end|> and </tool_response>')")), forbidden)
+    assert "<|im_end|>" not in text and "</tool_response>" not in text
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.convert_tokens_to_ids("<|im_end|>") not in ids
+    assert text.replace("\u200b", "") == "<|im_end|> and </tool_response>"
+
+
+def test_concurrency_is_bounded_from_threads_and_asyncio():
+    sandbox = Sandbox(SandboxConfig(max_workers=2))
+    code = "import time\ntime.sleep(0.5)\nprint(1)"
+    started = time.monotonic()
+    results = sandbox.run_many([code] * 4)
+    assert [r.stdout for r in results] == ["1\n"] * 4
+    assert time.monotonic() - started >= 1.0  # two waves of two
+
+    async def gather():
+        return await asyncio.gather(*(sandbox.arun_code(f"print({i})") for i in range(3)))
+
+    assert [r.stdout for r in asyncio.run(gather())] == ["0\n", "1\n", "2\n"]
+    assert (sandbox.stats.calls, sandbox.stats.ok, sandbox.stats.error) == (7, 7, 0)
+
+
+def test_stats_count_each_status(sandbox):
+    fresh = Sandbox(SandboxConfig(timeout_seconds=1))
+    fresh.run_many(["print(1)", "1/0", "import time\ntime.sleep(5)"])
+    assert (fresh.stats.calls, fresh.stats.ok, fresh.stats.error, fresh.stats.timeout) == (3, 1, 1, 1)
+    assert fresh.stats.max_seconds >= 1
+
+
+def test_command_line_prints_the_observation(tmp_path):
+    script = tmp_path / "cell.py"
+    script.write_text("x = 2 ** 10\nx")
+    shown = subprocess.run([sys.executable, "-m", "jobs.sandbox", str(script)], capture_output=True, text=True, check=True)
+    assert shown.stdout == "1024\n"
+    as_json = subprocess.run([sys.executable, "-m", "jobs.sandbox", str(script), "--json"], capture_output=True, text=True, check=True)
+    assert json.loads(as_json.stdout)["status"] == "ok"
+
+
+def test_bad_config_is_rejected():
+    with pytest.raises(ValueError, match="max_workers"):
+        SandboxConfig(max_workers=0)
+    with pytest.raises(ValueError, match="timeout_seconds"):
+        SandboxConfig(timeout_seconds=0)
