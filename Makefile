@@ -29,7 +29,7 @@ data: $(INSTALLED)
 	$(PY) -m jobs.synthetic --out data
 
 run: $(INSTALLED) model
-	$(PY) -m jobs.demo
+	LUIGI_CONFIG_PATH=configs/cpu.cfg $(VENV)/bin/luigi --module pipeline ScoreTrajectories --step 0
 
 test: $(INSTALLED) model
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -79,7 +79,7 @@ class HFSampler:
             alive = [alive[position] for position in still_alive]
             mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
             positions = positions + 1
-            output = self.model(next_tokens[:, None], attention_mask=mask, position_ids=positions[:, None], cache=cache, use_cache=True)
+            output = self.model(next_tokens[:, None], attention_mask=mask, position_ids=positions[:, None], past_key_values=cache, use_cache=True)
             cache, logits = output.past_key_values, output.logits[:, -1, :].float()
         replies: list[list[SampledSequence]] = [[] for _ in requests]
         for row, owner in enumerate(owners):

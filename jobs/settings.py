@@ -1,0 +1,138 @@
+"""One run's settings: validated once, frozen into runs/<run>/config.json at first use, and refused
+when a later command for the same run differs."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from jobs.rollout import RolloutConfig
+from jobs.sandbox import SandboxConfig
+
+# Settings that change how fast a run goes, never what it produces: free to differ between commands.
+OPERATIONAL = ("sandbox_workers", "runs_dir", "run")
+DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct, built from a PyPI wheel
+
+
+class SettingsError(ValueError):
+    """A setting is invalid or does not fit this machine; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    run: str = "default"  # folder name under runs_dir
+    runs_dir: str = "runs"
+    model: str = "Qwen/Qwen3.5-4B"  # local folder, a model in the local Hugging Face cache, or "default"
+    chat_template: str = ""  # path to a Jinja chat template; "" uses the model's own
+    tool_format: str = "auto"  # xml | hermes | auto (detected from the template)
+    device: str = "cuda"  # cuda | cpu
+    sampler: str = "auto"  # vllm | hf | auto (vllm on a GPU, else the faster one on this machine)
+    train_data: str = "data/synthetic_train.jsonl"
+    data_seed: int = 0  # shuffle of the training set
+    questions_per_step: int = 8
+    shards: int = 1  # independent round chains per step
+    group_size: int = 8
+    max_code_calls: int = 4
+    max_assistant_turns: int = 6
+    max_trajectory_tokens: int = 8192
+    max_assistant_tokens: int = 1024
+    max_tool_response_tokens: int = 512
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 42
+    trainer_max_tokens: int = 8192
+    sandbox_timeout_seconds: float = 10.0
+    sandbox_memory_mb: int = 2048
+    sandbox_workers: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("questions_per_step", "shards", "sandbox_workers"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"setting {name} must be positive, got {getattr(self, name)}")
+        if self.shards > self.questions_per_step:
+            raise SettingsError(f"setting shards={self.shards} exceeds questions_per_step={self.questions_per_step}: some shards would be empty")
+        if self.device not in ("cuda", "cpu"):
+            raise SettingsError(f"setting device must be cuda or cpu, got {self.device!r}")
+        if self.sampler not in ("auto", "vllm", "hf"):
+            raise SettingsError(f"setting sampler must be auto, vllm or hf, got {self.sampler!r}")
+        try:
+            self.rollout_config()
+            self.sandbox_config()
+        except ValueError as error:
+            raise SettingsError(str(error)) from None
+
+    def rollout_config(self) -> RolloutConfig:
+        names = {f.name for f in fields(RolloutConfig)}
+        return RolloutConfig(**{name: value for name, value in asdict(self).items() if name in names})
+
+    def sandbox_config(self) -> SandboxConfig:
+        return SandboxConfig(timeout_seconds=self.sandbox_timeout_seconds, cpu_seconds=max(1, int(self.sandbox_timeout_seconds)),
+                             memory_mb=self.sandbox_memory_mb, max_workers=self.sandbox_workers)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.runs_dir) / self.run
+
+    def frozen(self) -> dict[str, Any]:
+        return {key: value for key, value in asdict(self).items() if key not in OPERATIONAL}
+
+
+def check_machine(settings: RunSettings) -> None:
+    """Fails at once when the settings cannot run here, naming the setting to change."""
+    if settings.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SettingsError(
+                "setting device = cuda, but this machine has no GPU: run the CPU configuration "
+                "(LUIGI_CONFIG_PATH=configs/cpu.cfg, as `make run` does) or set device = cpu in the [retool] section"
+            )
+    resolve_model(settings.model)
+    if settings.chat_template and not Path(settings.chat_template).is_file():
+        raise SettingsError(f"setting chat_template = {settings.chat_template!r}: no such file")
+    if not Path(settings.train_data).is_file():
+        raise SettingsError(f"setting train_data = {settings.train_data!r}: no such file")
+
+
+def resolve_model(model: str) -> Path:
+    """The local folder of a model setting; never downloads (there may be no hub)."""
+    if model == DEFAULT_MODEL:
+        from jobs.models import build_default_model
+
+        return build_default_model()
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:
+        raise SettingsError(
+            f"setting model = {model!r} is neither a local folder nor in the local Hugging Face cache: set model to the "
+            f"folder of a downloaded model, or to {DEFAULT_MODEL!r} for the embedded SmolLM2-135M-Instruct"
+        ) from None
+
+
+def freeze(settings: RunSettings) -> None:
+    """Writes runs/<run>/config.json on first use; afterwards refuses different settings."""
+    path = settings.run_dir / "config.json"
+    wanted = settings.frozen()
+    if path.exists():
+        frozen = json.loads(path.read_text())
+        differing = sorted(key for key in set(frozen) | set(wanted) if frozen.get(key) != wanted.get(key))
+        if differing:
+            details = ", ".join(f"{key}={wanted.get(key)!r} (frozen: {frozen.get(key)!r})" for key in differing)
+            raise SettingsError(f"{path}: this run was started with other settings; differing: {details}. Use the frozen values or another run name")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".config.json.tmp-{os.getpid()}")
+    temporary.write_text(json.dumps(wanted, indent=2, sort_keys=True) + "\n")
+    try:
+        os.link(temporary, path)  # fails if another command froze the run first
+    except FileExistsError:
+        freeze(settings)
+    finally:
+        temporary.unlink()

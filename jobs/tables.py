@@ -1,0 +1,112 @@
+"""The Parquet contract: one Arrow schema per kind of file, and reading/writing that checks it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+TOKENS = pa.list_(pa.int32())
+FLOATS = pa.list_(pa.float32())
+
+PROMPTS = pa.schema([
+    ("step", pa.int32()),
+    ("question_index", pa.int32()),  # position in the step's batch; groups advantages
+    ("example_id", pa.string()),
+    ("question", pa.string()),
+    ("answer", pa.string()),  # reference answer
+    ("data_source", pa.string()),
+    ("prompt_tokens", TOKENS),  # P(1), rendered by the chat template
+])
+
+SAMPLES = pa.schema([
+    ("step", pa.int32()),
+    ("round", pa.int32()),
+    ("question_index", pa.int32()),
+    ("group_index", pa.int32()),  # branch within the question's group
+    ("prompt_tokens", TOKENS),  # P(i): the exact model input
+    ("completion_tokens", TOKENS),  # C(i): the sampler's own tokens
+    ("logprobs", FLOATS),  # sampler logprob of each completion token
+    ("text", pa.string()),  # decoded from completion_tokens, stripped
+    ("finish_reason", pa.string()),  # stop | length
+    ("seed", pa.int64()),
+])
+
+OBSERVATIONS = pa.schema([
+    ("step", pa.int32()),
+    ("round", pa.int32()),
+    ("question_index", pa.int32()),
+    ("group_index", pa.int32()),
+    ("kind", pa.string()),  # tool | answer | invalid; null when the round had no budget to sample
+    ("code", pa.string()),  # the code run, for an executed call
+    ("call_id", pa.string()),
+    ("exec_status", pa.string()),  # ok | error | timeout
+    ("exec_seconds", pa.float32()),
+    ("tool_content", pa.string()),  # the observation as appended ("" when it did not fit)
+    ("next_prompt_tokens", TOKENS),  # P(i+1); null once done
+    ("code_calls", pa.int32()),  # observations appended so far
+    ("turns", pa.int32()),  # assistant turns so far
+    ("done", pa.bool_()),
+    ("stop_reason", pa.string()),  # null while live
+    ("final_text", pa.string()),  # the text the reward reads; null while live
+])
+
+TRAJECTORIES = pa.schema([
+    ("step", pa.int32()),
+    ("question_index", pa.int32()),
+    ("group_index", pa.int32()),
+    ("example_id", pa.string()),
+    ("data_source", pa.string()),
+    ("answer", pa.string()),
+    ("num_turns", pa.int32()),
+    ("code_calls", pa.int32()),
+    ("stop_reason", pa.string()),
+    ("final_text", pa.string()),
+    ("extracted_answer", pa.string()),  # last \boxed{} content, null if none
+    ("valid_format", pa.bool_()),
+    ("correct", pa.bool_()),
+    ("reward", pa.float32()),
+    ("advantage", pa.float32()),  # reward minus the question group's mean
+    ("trajectory_tokens", pa.int32()),  # length of the whole token sequence
+    ("sampled_tokens", pa.int32()),  # how many of those the model sampled (the actions)
+])
+
+
+class TableError(ValueError):
+    """A Parquet file in the run folder is damaged or not what the pipeline wrote."""
+
+
+def table_from_rows(rows: Sequence[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    return pa.Table.from_pylist(list(rows), schema=schema)
+
+
+def read_table(path: str | Path, schema: pa.Schema) -> pa.Table:
+    """Reads a file the pipeline wrote; a truncated or foreign file is an error naming it."""
+    path = Path(path)
+    try:
+        table = pq.read_table(path)
+    except Exception as error:  # pyarrow raises several types for damaged files
+        raise TableError(f"{path}: not a readable Parquet file ({error}); delete it and re-run its stage") from None
+    missing = [name for name in schema.names if name not in table.schema.names]
+    if missing:
+        raise TableError(f"{path}: missing columns {missing}; it was not written by this pipeline stage")
+    try:
+        return table.select(schema.names).cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+        raise TableError(f"{path}: columns have unexpected types ({error})") from None
+
+
+def write_table_atomically(table: pa.Table, path: str | Path) -> None:
+    """Writes next to the target, then renames: a killed writer leaves no file that looks complete."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        pq.write_table(table, temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

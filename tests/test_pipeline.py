@@ -1,0 +1,181 @@
+"""The Luigi pipeline: Parquet equal to the in-memory rollout, re-runs, sharding, refusals."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import luigi
+import pyarrow as pa
+import pytest
+
+import pipeline.tasks
+from jobs.data import read_examples, shuffled, take_batch
+from jobs.protocol import BUNDLED_TEMPLATE
+from jobs.rollout import rollout_in_memory
+from jobs.runtime import protocol_for, sandbox_for
+from jobs.sampling import ScriptedSampler
+from jobs.stages import observation_row, trajectories_table
+from jobs.tables import OBSERVATIONS, SAMPLES, TRAJECTORIES, read_table, table_from_rows
+from pipeline import ScoreTrajectories
+from pipeline.config import current_settings
+from tests.helpers import scripted, tool_call_text
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = {
+    "device": "cpu", "sampler": "hf", "chat_template": str(BUNDLED_TEMPLATE), "train_data": str(REPO / "data/synthetic_eval.jsonl"),
+    "questions_per_step": 3, "group_size": 3, "max_code_calls": 2, "max_assistant_turns": 3, "max_trajectory_tokens": 900,
+    "max_assistant_tokens": 96, "max_tool_response_tokens": 48, "trainer_max_tokens": 1024, "sandbox_workers": 2,
+    "sandbox_timeout_seconds": 5.0,
+}
+
+
+@pytest.fixture
+def configure(tmp_path, tiny_model_dir):
+    """Sets the [retool] section for one test (restored afterwards); returns the settings."""
+    config = luigi.configuration.get_config()
+    saved = dict(config.items("retool")) if config.has_section("retool") else {}
+
+    def apply(**overrides):
+        if config.has_section("retool"):
+            config.remove_section("retool")
+        config.add_section("retool")
+        for key, value in {**BASE, "runs_dir": str(tmp_path / "runs"), "model": str(tiny_model_dir), **overrides}.items():
+            config.set("retool", key, str(value))
+        return current_settings()
+
+    yield apply
+    config.remove_section("retool")
+    config.add_section("retool")
+    for key, value in saved.items():
+        config.set("retool", key, value)
+
+
+def batch(settings, step):
+    return take_batch(shuffled(read_examples(settings.train_data), settings.data_seed), step, settings.questions_per_step)
+
+
+def tool_policy(settings, step):
+    """Branch (q + g) % 3 calls the tool that many times, then answers; even branches correctly."""
+    protocol = protocol_for(settings)
+    answers = [example.answer for example in batch(settings, step)]
+
+    def choose(question, group, turn):
+        if turn < (question + group) % 3:
+            return tool_call_text(f"print({question} * 10 + {turn})\n{question} ** {turn + 2}", protocol.tool_format)
+        return f"So the result is \\boxed{{{answers[question] if group % 2 == 0 else -1}}}."
+
+    return ScriptedSampler(scripted(protocol, choose))
+
+
+def build(settings, step, sampler=None, monkeypatch=None):
+    if sampler is not None:
+        monkeypatch.setattr(pipeline.tasks, "get_sampler", lambda settings: sampler)
+    return luigi.build([ScoreTrajectories(step=step)], local_scheduler=True, workers=1, log_level="WARNING")
+
+
+def step_dir(settings, step):
+    return settings.run_dir / f"step={step:04d}"
+
+
+def without(table: pa.Table, column: str) -> pa.Table:
+    return table.drop_columns([column])
+
+
+def test_pipeline_parquet_equals_the_in_memory_rollout(configure, monkeypatch):
+    settings = configure(run="equal")
+    assert build(settings, 1, tool_policy(settings, 1), monkeypatch)
+
+    observations_by_round = []
+    finished = set()
+
+    def record(round_index, trajectories):
+        observations_by_round.extend(observation_row(t, 1, round_index) for t in trajectories if (t.question_index, t.group_index) not in finished)
+        finished.update((t.question_index, t.group_index) for t in trajectories if t.done)
+
+    protocol = protocol_for(settings)
+    trajectories = rollout_in_memory(batch(settings, 1), tool_policy(settings, 1), sandbox_for(settings), protocol, settings.rollout_config(), step=1, on_round=record)
+
+    assert read_table(step_dir(settings, 1) / "trajectories.parquet", TRAJECTORIES).equals(trajectories_table(trajectories, 1))
+    expected_samples = table_from_rows([
+        {"step": 1, "round": r, "question_index": t.question_index, "group_index": t.group_index, "prompt_tokens": turn.prompt_tokens,
+         "completion_tokens": turn.completion_tokens, "logprobs": turn.logprobs, "text": turn.text, "finish_reason": turn.finish_reason, "seed": turn.seed}
+        for t in trajectories for r, turn in enumerate(t.turns)], SAMPLES)
+    actual_samples = pa.concat_tables(read_table(path, SAMPLES) for path in sorted(step_dir(settings, 1).glob("shard=*/round=*/samples.parquet")))
+    order = [("round", "ascending"), ("question_index", "ascending"), ("group_index", "ascending")]
+    assert actual_samples.sort_by(order).equals(expected_samples.sort_by(order))
+    actual_observations = pa.concat_tables(read_table(path, OBSERVATIONS) for path in sorted(step_dir(settings, 1).glob("shard=*/round=*/observations.parquet")))
+    expected_observations = table_from_rows(observations_by_round, OBSERVATIONS)
+    assert without(actual_observations.sort_by(order), "exec_seconds").equals(without(expected_observations.sort_by(order), "exec_seconds"))
+    assert {row["stop_reason"] for row in actual_observations.to_pylist() if row["done"]} >= {"answer"}
+    assert any(row["tool_content"] for row in actual_observations.to_pylist())
+
+
+def test_deleting_one_output_reruns_only_it_and_downstream(configure, monkeypatch):
+    settings = configure(run="rerun")
+    assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
+    folder = step_dir(settings, 0)
+    files = sorted(p for p in folder.rglob("*.parquet"))
+    before = {p: (p.stat().st_mtime_ns, without(pa.parquet.read_table(p), "exec_seconds") if "observations" in p.name else pa.parquet.read_table(p)) for p in files}
+    deleted = folder / "shard=00/round=01/observations.parquet"
+    deleted.unlink()
+    assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
+    downstream = {deleted, folder / "shard=00/round=02/samples.parquet", folder / "shard=00/round=02/observations.parquet", folder / "trajectories.parquet"}
+    for path, (mtime, table) in before.items():
+        assert (path.stat().st_mtime_ns != mtime) == (path in downstream), path
+        reread = pa.parquet.read_table(path)
+        assert (without(reread, "exec_seconds") if "observations" in path.name else reread).equals(table), path
+
+
+def test_a_run_refuses_different_settings(configure, monkeypatch, caplog):
+    settings = configure(run="frozen")
+    assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
+    changed = configure(run="frozen", group_size=2, sandbox_workers=1)  # workers may differ, group size not
+    assert not build(changed, 0, tool_policy(changed, 0), monkeypatch)
+    message = caplog.text
+    assert "differing: group_size=2 (frozen: 3)" in message and "sandbox_workers" not in message.split("differing:")[1]
+    assert read_table(step_dir(settings, 0) / "trajectories.parquet", TRAJECTORIES).num_rows == 9  # nothing lost
+
+
+def test_sharded_run_equals_one_chain(configure, monkeypatch):
+    one = configure(run="one-chain")
+    assert build(one, 0, tool_policy(one, 0), monkeypatch)
+    sharded = configure(run="sharded", shards=3)
+    assert build(sharded, 0, tool_policy(sharded, 0), monkeypatch)
+    assert sorted(p.name for p in step_dir(sharded, 0).glob("shard=*")) == ["shard=00", "shard=01", "shard=02"]
+    assert read_table(step_dir(one, 0) / "trajectories.parquet", TRAJECTORIES).equals(read_table(step_dir(sharded, 0) / "trajectories.parquet", TRAJECTORIES))
+
+
+def test_round_without_live_trajectories_writes_an_empty_file_with_the_schema(configure, monkeypatch):
+    settings = configure(run="answers")
+    answer_at_once = ScriptedSampler(scripted(protocol_for(settings), lambda q, g, t: "\\boxed{1}"))
+    assert build(settings, 0, answer_at_once, monkeypatch)
+    for name, schema in (("samples", SAMPLES), ("observations", OBSERVATIONS)):
+        table = pa.parquet.read_table(step_dir(settings, 0) / f"shard=00/round=02/{name}.parquet")
+        assert table.num_rows == 0 and table.schema.equals(schema)
+
+
+def test_real_sampler_through_the_pipeline(configure):
+    settings = configure(run="hf", questions_per_step=1, group_size=2, max_assistant_tokens=12, max_assistant_turns=2)
+    assert build(settings, 0)
+    table = read_table(step_dir(settings, 0) / "shard=00/round=00/samples.parquet", SAMPLES)
+    assert table.num_rows == 2 and all(len(t) == len(l) for t, l in zip(table.column("completion_tokens").to_pylist(), table.column("logprobs").to_pylist()))
+
+
+def run_cli(*args, env_extra=None, cwd=REPO):
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "luigi", "--module", "pipeline", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_gpu_configuration_on_a_cpu_machine_names_the_setting():
+    result = run_cli("ScoreTrajectories", "--step", "0")
+    assert result.returncode != 0
+    assert "setting device = cuda, but this machine has no GPU" in result.stderr + result.stdout
+
+
+def test_missing_model_names_the_setting(tmp_path):
+    result = run_cli("ScoreTrajectories", "--step", "0", "--retool-device", "cpu", "--retool-model", str(tmp_path / "nowhere"), "--retool-runs-dir", str(tmp_path))
+    assert result.returncode != 0
+    assert "setting model = " in result.stderr + result.stdout and "neither a local folder" in result.stderr + result.stdout
