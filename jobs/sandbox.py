@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
 # Names of the protocol's own wrapper tags: code output must not be able to fake them.
 PROTOCOL_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -124,7 +126,7 @@ class Sandbox:
         if not codes:
             return []
         with ThreadPoolExecutor(max_workers=min(len(codes), self.config.max_workers)) as pool:
-            return list(pool.map(self.run_code, codes))
+            return list(tqdm(pool.map(self.run_code, codes), total=len(codes), desc="running tool calls", unit="call", leave=False, disable=None))
 
     def _run(self, code: str) -> ExecutionResult:
         config = self.config

