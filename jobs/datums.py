@@ -35,3 +35,48 @@ def trajectory_sequence(trajectory: Trajectory) -> TokenSequence:
         logprobs += [0.0] * len(context) + turn.logprobs
         is_action += [False] * len(context) + [True] * len(turn.completion_tokens)
     return TokenSequence(tokens, logprobs, is_action)
+
+
+@dataclass(frozen=True)
+class Datum:
+    question_index: int
+    group_index: int
+    input_tokens: list[int]  # tokens[:-1]: what the model reads
+    target_tokens: list[int]  # tokens[1:]: what it predicts at each position
+    old_logprobs: list[float]  # sampler logprob of each target on sampled tokens, 0 elsewhere
+    advantages: list[float]  # the trajectory's advantage on sampled targets, 0 elsewhere
+    loss_mask: list[bool]  # True on targets the model sampled: the only tokens the loss sees
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_tokens)
+
+    @property
+    def loss_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+def build_datum(trajectory: Trajectory, trainer_max_tokens: int) -> Datum:
+    """One PPO datum, shifted right: position t reads tokens[t] and is trained to predict
+    tokens[t + 1]; only targets the model sampled carry a logprob and the advantage."""
+    sequence = trajectory_sequence(trajectory)
+    if len(sequence.tokens) > trainer_max_tokens:
+        raise ValueError(
+            f"trajectory (question {trajectory.question_index}, branch {trajectory.group_index}) has {len(sequence.tokens)} tokens, "
+            f"over the trainer's context of {trainer_max_tokens}"
+        )
+    advantage = float(trajectory.advantage)
+    return Datum(
+        trajectory.question_index,
+        trajectory.group_index,
+        sequence.tokens[:-1],
+        sequence.tokens[1:],
+        sequence.old_logprobs[1:],
+        [advantage if action else 0.0 for action in sequence.is_action[1:]],
+        sequence.is_action[1:],
+    )
+
+
+def build_datums(trajectories: list[Trajectory], trainer_max_tokens: int) -> list[Datum]:
+    """A datum for every trajectory whose advantage is not zero (the others carry no signal)."""
+    return [build_datum(t, trainer_max_tokens) for t in trajectories if t.advantage and t.turns]

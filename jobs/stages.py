@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 
 from jobs.data import MathExample
-from jobs.datums import trajectory_sequence
+from jobs.datums import Datum, build_datums, trajectory_sequence
 from jobs.protocol import ChatProtocol
 from jobs.rollout import (
     AssistantTurn,
@@ -25,7 +25,7 @@ from jobs.rollout import (
     score_trajectory,
 )
 from jobs.sampling import SampledSequence, Sampler, SampleRequest, sample_checked
-from jobs.tables import OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
+from jobs.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
 
 
 class StaleInputError(ValueError):
@@ -173,6 +173,28 @@ def trajectories_table(trajectories: Sequence[Trajectory], step: int) -> pa.Tabl
     return table_from_rows(rows, TRAJECTORIES)
 
 
+def datums_table(trajectories: Sequence[Trajectory], scored: pa.Table, step: int, trainer_max_tokens: int) -> pa.Table:
+    """BuildDatums: the replayed trajectories with the advantages ScoreTrajectories assigned."""
+    advantages = {(row["question_index"], row["group_index"]): row["advantage"] for row in scored.to_pylist()}
+    for trajectory in trajectories:
+        trajectory.advantage = advantages[(trajectory.question_index, trajectory.group_index)]
+    ordered = sorted(trajectories, key=lambda t: (t.question_index, t.group_index))
+    rows = [
+        {"step": step, "question_index": d.question_index, "group_index": d.group_index, "input_tokens": d.input_tokens,
+         "target_tokens": d.target_tokens, "old_logprobs": d.old_logprobs, "advantages": d.advantages, "loss_mask": d.loss_mask,
+         "num_tokens": d.num_tokens}
+        for d in build_datums(ordered, trainer_max_tokens)
+    ]
+    return table_from_rows(rows, DATUMS)
+
+
+def datums_from_table(table: pa.Table) -> list[Datum]:
+    return [
+        Datum(row["question_index"], row["group_index"], row["input_tokens"], row["target_tokens"], row["old_logprobs"], row["advantages"], row["loss_mask"])
+        for row in table.to_pylist()
+    ]
+
+
 def describe(table: pa.Table) -> str:
     """A one-line summary of a stage's output, for the log."""
     names = set(table.schema.names)
@@ -185,6 +207,9 @@ def describe(table: pa.Table) -> str:
         statuses = [s for s in table.column("exec_status").to_pylist() if s]
         done = sum(table.column("done").to_pylist())
         return f"{table.num_rows} trajectories, {len(statuses)} tool calls ({statuses.count('ok')} ok), {done} ended"
+    if "loss_mask" in names:
+        tokens = sum(table.column("num_tokens").to_pylist())
+        return f"{table.num_rows} datums, {tokens} tokens, {sum(sum(m) for m in table.column('loss_mask').to_pylist())} loss tokens"
     if "reward" in names:
         rewards = table.column("reward").to_pylist()
         return f"{table.num_rows} trajectories, reward mean {sum(rewards) / len(rewards):+.3f}, correct {sum(table.column('correct').to_pylist())}"

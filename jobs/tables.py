@@ -75,6 +75,18 @@ TRAJECTORIES = pa.schema([
     ("sampled_tokens", pa.int32()),  # how many of those the model sampled (the actions)
 ])
 
+DATUMS = pa.schema([
+    ("step", pa.int32()),
+    ("question_index", pa.int32()),
+    ("group_index", pa.int32()),
+    ("input_tokens", TOKENS),  # the trajectory's tokens but the last: what the model reads
+    ("target_tokens", TOKENS),  # the tokens but the first: what each position predicts
+    ("old_logprobs", FLOATS),  # sampler logprob of each target on sampled tokens, 0 elsewhere
+    ("advantages", FLOATS),  # the trajectory's advantage on sampled targets, 0 elsewhere
+    ("loss_mask", pa.list_(pa.bool_())),  # True on targets the model sampled
+    ("num_tokens", pa.int32()),
+])
+
 
 class TableError(ValueError):
     """A Parquet file in the run folder is damaged or not what the pipeline wrote."""

@@ -1,0 +1,298 @@
+"""One PPO step: the policy (base model + LoRA, or full fine-tune), the clipped loss on sampled tokens,
+gradient accumulation over micro-batches, data parallel over torch.distributed, checkpoints.
+
+`torchrun --nproc-per-node K -m jobs.trainer ...` trains one step on K processes (gloo on CPU, NCCL on
+GPU); each process takes every K-th micro-batch and gradients are summed before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from jobs.datums import Datum
+from jobs.packing import LOSS_AGGREGATIONS, MicroBatch, loss_token_weights, pack_micro_batches
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    lora_rank: int = 32  # 0 trains every weight
+    lora_alpha: int = 64
+    learning_rate: float = 4e-5
+    beta1: float = 0.9
+    beta2: float = 0.95
+    max_grad_norm: float = 1.0
+    clip_low: float = 0.2  # ratio may fall to 1 - clip_low
+    clip_high: float = 0.28  # and rise to 1 + clip_high (clip-higher)
+    loss_aggregation: str = "sample_mean"  # sample_mean | token_mean (see jobs.packing)
+    micro_batch_items: int = 8
+    micro_batch_tokens: int = 8192  # padded tokens per micro-batch
+    tis_cap: float = 0.0  # truncated importance sampling cap on trainer/sampler ratio; 0 = off
+    filter_zero_variance_groups: bool = False  # sample_mean over datums only, not all trajectories
+    dtype: str = "float32"  # float32 | bfloat16
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.lora_rank < 0 or self.learning_rate <= 0 or self.max_grad_norm <= 0:
+            raise ValueError(f"TrainerConfig needs lora_rank >= 0, learning_rate > 0, max_grad_norm > 0; got {self}")
+        if not 0 < self.clip_low < 1 or self.clip_high <= 0:
+            raise ValueError(f"TrainerConfig clip thresholds must satisfy 0 < clip_low < 1 and clip_high > 0, got {self.clip_low}, {self.clip_high}")
+        if self.loss_aggregation not in LOSS_AGGREGATIONS:
+            raise ValueError(f"TrainerConfig.loss_aggregation must be one of {LOSS_AGGREGATIONS}, got {self.loss_aggregation!r}")
+        if self.micro_batch_items <= 0 or self.micro_batch_tokens <= 0:
+            raise ValueError("TrainerConfig micro-batch bounds must be positive")
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    datums: int
+    trajectories: int  # trajectories of the step, datums or not
+    loss_tokens: int  # sampled tokens the loss saw
+    tokens: int  # real tokens of all datums
+    padded_tokens: int  # tokens processed, padding included
+    micro_batches: int
+    loss: float
+    grad_norm: float
+    clip_fraction: float  # loss tokens whose ratio was clipped
+    logprob_gap: float  # mean |trainer logprob - sampler logprob| on loss tokens
+    kl_sampler_trainer: float  # k3 estimate of KL(sampler || trainer) on loss tokens
+    seconds: float
+    tokens_per_second: float
+    skipped: bool  # no datum: no optimizer step was taken
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_policy(base_model: Path, previous: Path | None, config: TrainerConfig, device: str = "cpu"):
+    """The trainable model and its Adam optimizer, restored from the previous checkpoint if any."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, config.dtype)
+    weights = previous / "model" if previous is not None and config.lora_rank == 0 else base_model
+    model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=dtype).to(device)
+    if config.lora_rank:
+        if previous is not None:
+            model = PeftModel.from_pretrained(model, str(previous / "adapter"), is_trainable=True)
+        else:
+            torch.manual_seed(config.seed)  # LoRA's A matrices start random
+            lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+            model = get_peft_model(model, lora)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(parameters, lr=config.learning_rate, betas=(config.beta1, config.beta2))
+    if previous is not None:
+        optimizer.load_state_dict(torch.load(previous / "optimizer.pt", map_location=device, weights_only=True))
+        restore_rng(previous / "rng.pt")
+    return model, optimizer
+
+
+def _micro_batch_tensors(datums: list[Datum], batch: MicroBatch, weights: list[float], device: str) -> dict[str, torch.Tensor]:
+    """Right-padded rows; padding has mask 0 and weight 0, so it never reaches the loss."""
+    rows = [datums[i] for i in batch.indices]
+    width = batch.width
+
+    def padded(values, fill, dtype):
+        return torch.tensor([list(v) + [fill] * (width - len(v)) for v in values], dtype=dtype, device=device)
+
+    return {
+        "input_ids": padded([d.input_tokens for d in rows], 0, torch.long),
+        "attention_mask": padded([[1] * d.num_tokens for d in rows], 0, torch.long),
+        "targets": padded([d.target_tokens for d in rows], 0, torch.long),
+        "old_logprobs": padded([d.old_logprobs for d in rows], 0.0, torch.float32),
+        "advantages": padded([d.advantages for d in rows], 0.0, torch.float32),
+        "weights": padded([[weights[i] if m else 0.0 for m in datums[i].loss_mask] for i in batch.indices], 0.0, torch.float32),
+    }
+
+
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def ppo_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, config: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate loss and where clipping was active. With TIS, the ratio is taken
+    against the trainer's own (detached) logprobs and each token is reweighted by the capped
+    trainer/sampler ratio, correcting for the sampler's numerical drift."""
+    if config.tis_cap > 0:
+        ratio = torch.exp(logprobs - logprobs.detach())
+        correction = torch.clamp(torch.exp(logprobs.detach() - old_logprobs), max=config.tis_cap)
+    else:
+        ratio = torch.exp(logprobs - old_logprobs)
+        correction = torch.ones_like(ratio)
+    clipped_ratio = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
+    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages) * correction
+    clipped = (ratio * advantages > clipped_ratio * advantages).detach()
+    return loss, clipped
+
+
+def accumulate_gradients(model, datums: list[Datum], batches: list[MicroBatch], weights: list[float], config: TrainerConfig, device: str = "cpu") -> torch.Tensor:
+    """Backward over this process's share of the micro-batches; gradients add up in .grad. Returns
+    sums over its loss tokens: loss, clipped tokens, |logprob gap|, k3 KL, loss tokens."""
+    rank, world = _rank_and_world()
+    totals = torch.zeros(5, dtype=torch.float64, device=device)
+    for batch in batches[rank::world]:
+        tensors = _micro_batch_tensors(datums, batch, weights, device)
+        logprobs = token_logprobs(model, tensors["input_ids"], tensors["attention_mask"], tensors["targets"])
+        token_loss, clipped = ppo_token_loss(logprobs, tensors["old_logprobs"], tensors["advantages"], config)
+        (token_loss * tensors["weights"]).sum().backward()
+        mask = tensors["weights"] > 0
+        log_ratio = (logprobs.detach() - tensors["old_logprobs"])[mask]
+        totals += torch.stack([
+            (token_loss.detach() * tensors["weights"]).sum(), clipped[mask].sum(), log_ratio.abs().sum(),
+            (torch.exp(log_ratio) - 1 - log_ratio).sum(), mask.sum(),
+        ]).to(totals)
+    return totals
+
+
+def train_step(model, optimizer, datums: list[Datum], config: TrainerConfig, num_trajectories: int, device: str = "cpu") -> StepMetrics:
+    """Exactly one optimizer step over all datums of a training step (none if there are none)."""
+    started = time.perf_counter()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    batches = pack_micro_batches([d.num_tokens for d in datums], config.micro_batch_items, config.micro_batch_tokens) if datums else []
+    num_samples = len(datums) if config.filter_zero_variance_groups else num_trajectories
+    weights = loss_token_weights([d.loss_tokens for d in datums], config.loss_aggregation, max(num_samples, 1))
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    totals = accumulate_gradients(model, datums, batches, weights, config, device)
+    if _rank_and_world()[1] > 1:
+        for parameter in parameters:
+            if parameter.grad is None:  # this process had no micro-batch
+                parameter.grad = torch.zeros_like(parameter)
+            dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    grad_norm = 0.0
+    if datums:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm))
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    seconds = time.perf_counter() - started
+    loss_tokens = int(totals[4])
+    real_tokens = sum(d.num_tokens for d in datums)
+    return StepMetrics(
+        datums=len(datums), trajectories=num_trajectories, loss_tokens=loss_tokens, tokens=real_tokens,
+        padded_tokens=sum(b.padded_tokens for b in batches), micro_batches=len(batches), loss=float(totals[0]), grad_norm=grad_norm,
+        clip_fraction=float(totals[1]) / max(loss_tokens, 1), logprob_gap=float(totals[2]) / max(loss_tokens, 1),
+        kl_sampler_trainer=float(totals[3]) / max(loss_tokens, 1), seconds=seconds,
+        tokens_per_second=real_tokens / seconds if seconds > 0 else 0.0, skipped=not datums,
+    )
+
+
+# -- checkpoints -------------------------------------------------------------------------------------
+
+def save_rng(path: Path) -> None:
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}, path)
+
+
+def restore_rng(path: Path) -> None:
+    if path.exists():
+        state = torch.load(path, weights_only=False)
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(folder: Path, model, optimizer, metrics: StepMetrics, config: TrainerConfig, tokenizer_source: Path) -> None:
+    """Writes the whole checkpoint beside its final place, marks it _SUCCESS, then renames it: a
+    killed write leaves no folder that looks complete."""
+    temporary = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(temporary, ignore_errors=True)
+    temporary.mkdir(parents=True)
+    if config.lora_rank:
+        model.save_pretrained(temporary / "adapter")
+    else:
+        model.save_pretrained(temporary / "model")
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "generation_config.json"):
+            if (tokenizer_source / name).exists():
+                shutil.copy(tokenizer_source / name, temporary / "model" / name)
+    torch.save(optimizer.state_dict(), temporary / "optimizer.pt")
+    save_rng(temporary / "rng.pt")
+    (temporary / "metrics.json").write_text(json.dumps(asdict(metrics), indent=2) + "\n")
+    (temporary / "trainer_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
+    (temporary / "_SUCCESS").write_text("")
+    if folder.exists():
+        shutil.rmtree(folder)  # an incomplete or stale checkpoint from an earlier attempt
+    temporary.rename(folder)
+
+
+def is_complete_checkpoint(folder: Path) -> bool:
+    return (folder / "_SUCCESS").exists()
+
+
+def prune_checkpoints(checkpoints: list[tuple[int, Path]], keep_last: int, keep_every: int) -> list[Path]:
+    """Drops the weights and optimizer state of old checkpoints (metrics and _SUCCESS stay): keeps
+    the newest `keep_last`, and every step divisible by `keep_every` (0 = none). Returns what it pruned."""
+    pruned = []
+    ordered = sorted(checkpoints)
+    for step, folder in ordered[: max(0, len(ordered) - keep_last)]:
+        if keep_every and step % keep_every == 0:
+            continue
+        for name in ("adapter", "model", "optimizer.pt", "rng.pt"):
+            target = folder / name
+            if target.is_dir():
+                shutil.rmtree(target)
+                pruned.append(target)
+            elif target.exists():
+                target.unlink()
+                pruned.append(target)
+    return pruned
+
+
+# -- one step from files, in-process or under torchrun ------------------------------------------------
+
+def train_from_files(base_model: Path, datums: list[Datum], num_trajectories: int, previous: Path | None, out: Path, config: TrainerConfig, device: str = "cpu") -> StepMetrics:
+    if previous is None:
+        set_seed(config.seed)
+    model, optimizer = load_policy(base_model, previous, config, device)
+    metrics = train_step(model, optimizer, datums, config, num_trajectories, device)
+    if _rank_and_world()[0] == 0:
+        save_checkpoint(out, model, optimizer, metrics, config, base_model)
+    return metrics
+
+
+def main() -> None:
+    from jobs.stages import datums_from_table
+    from jobs.tables import DATUMS, read_table
+
+    parser = argparse.ArgumentParser(description="Train one PPO step from a datums file (run under torchrun for data parallel).")
+    parser.add_argument("--base-model", type=Path, required=True)
+    parser.add_argument("--datums", type=Path, required=True)
+    parser.add_argument("--trajectories", type=int, required=True, help="trajectories in the step (sample_mean denominator)")
+    parser.add_argument("--previous", type=Path, help="checkpoint of the step before, if any")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--config", type=Path, required=True, help="JSON of TrainerConfig fields")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    config = TrainerConfig(**json.loads(args.config.read_text()))
+    datums = datums_from_table(read_table(args.datums, DATUMS))
+    train_from_files(args.base_model, datums, args.trajectories, args.previous, args.out, config, device)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""PPO trainer on a tiny model with hand-made datums."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict, replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from jobs.datums import Datum
+from jobs.packing import loss_token_weights, pack_micro_batches
+from jobs.stages import datums_from_table
+from jobs.tables import DATUMS, table_from_rows, write_table_atomically
+from jobs.trainer import TrainerConfig, accumulate_gradients, load_policy, prune_checkpoints, save_checkpoint, token_logprobs, train_step
+
+CONFIG = TrainerConfig(lora_rank=8, lora_alpha=16, learning_rate=5e-3)
+
+
+def make_datum(question, group, prompt, completion, advantage, old_logprobs, observation=(), second=()):
+    """prompt + completion (+ observation + second completion), shifted right like build_datum."""
+    tokens = list(prompt) + list(completion) + list(observation) + list(second)
+    action = [False] * len(prompt) + [True] * len(completion) + [False] * len(observation) + [True] * len(second)
+    old = [0.0] * len(prompt) + list(old_logprobs) + [0.0] * (len(observation) + len(second))
+    return Datum(question, group, tokens[:-1], tokens[1:], old[1:], [advantage if a else 0.0 for a in action[1:]], action[1:])
+
+
+def sequence_logprob(model, datum):
+    with torch.no_grad():
+        logprobs = token_logprobs(model, torch.tensor([datum.input_tokens]), torch.ones(1, datum.num_tokens, dtype=torch.long), torch.tensor([datum.target_tokens]))[0]
+    return float(logprobs[torch.tensor(datum.loss_mask)].sum())
+
+
+def on_policy_datums(model):
+    """Two completions of one prompt, old logprobs taken from the model itself."""
+    prompt = list(range(200, 230))
+    datums = []
+    for group, (completion, advantage) in enumerate([(list(range(300, 312)), 1.0), (list(range(400, 412)), -1.0)]):
+        draft = make_datum(0, group, prompt, completion, advantage, [0.0] * len(completion))
+        with torch.no_grad():
+            logprobs = token_logprobs(model, torch.tensor([draft.input_tokens]), torch.ones(1, draft.num_tokens, dtype=torch.long), torch.tensor([draft.target_tokens]))[0].tolist()
+        old = [lp if m else 0.0 for lp, m in zip(logprobs, draft.loss_mask)]
+        datums.append(replace(draft, old_logprobs=old))
+    return datums
+
+
+def test_one_step_raises_positive_and_lowers_negative_completions(tiny_model_dir):
+    model, optimizer = load_policy(tiny_model_dir, None, CONFIG)
+    datums = on_policy_datums(model)
+    before = [sequence_logprob(model, d) for d in datums]
+    metrics = train_step(model, optimizer, datums, CONFIG, num_trajectories=2)
+    after = [sequence_logprob(model, d) for d in datums]
+    assert after[0] > before[0] and after[1] < before[1]
+    assert metrics.datums == 2 and metrics.loss_tokens == 24 and not metrics.skipped
+    assert metrics.logprob_gap < 1e-5 and metrics.clip_fraction == 0.0  # on-policy: ratio 1
+    assert metrics.grad_norm > 0
+
+
+def test_observation_tokens_never_reach_the_gradient(tiny_model_dir):
+    prompt, first, observation, second = list(range(200, 220)), list(range(300, 306)), list(range(500, 510)), list(range(600, 606))
+    datum = make_datum(0, 0, prompt, first, 1.0, [-2.0] * 6, observation, second)
+    # The same datum, with nonsense advantages and logprobs on the observation tokens only.
+    noisy = replace(datum, advantages=[a if m else 7.0 for a, m in zip(datum.advantages, datum.loss_mask)],
+                    old_logprobs=[o if m else -9.0 for o, m in zip(datum.old_logprobs, datum.loss_mask)])
+    results = []
+    for variant in (datum, noisy):
+        model, optimizer = load_policy(tiny_model_dir, None, CONFIG)
+        train_step(model, optimizer, [variant], CONFIG, num_trajectories=1)
+        results.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert all(torch.equal(results[0][name], results[1][name]) for name in results[0])
+
+
+@pytest.mark.parametrize("aggregation", ["sample_mean", "token_mean"])
+def test_accumulated_micro_batch_gradients_equal_one_batch(tiny_model_dir, aggregation):
+    config = replace(CONFIG, loss_aggregation=aggregation)
+    model, _ = load_policy(tiny_model_dir, None, config)
+    datums = on_policy_datums(model) + [make_datum(1, 0, list(range(100, 150)), list(range(700, 709)), 0.5, [-3.0] * 9)]
+    weights = loss_token_weights([d.loss_tokens for d in datums], aggregation, num_samples=5)
+    gradients = []
+    for batches in (pack_micro_batches([d.num_tokens for d in datums], 1, 10_000), pack_micro_batches([d.num_tokens for d in datums], 10, 10_000)):
+        model.zero_grad(set_to_none=True)
+        accumulate_gradients(model, datums, batches, weights, config)
+        gradients.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
+    assert len(pack_micro_batches([d.num_tokens for d in datums], 1, 10_000)) == 3
+    for split, whole in zip(*gradients):
+        torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-7)
+
+
+def test_packing_is_first_fit_decreasing_within_bounds():
+    lengths = [50, 10, 40, 30, 20, 60, 5]
+    batches = pack_micro_batches(lengths, max_items=3, max_padded_tokens=120)
+    assert sorted(i for b in batches for i in b.indices) == list(range(len(lengths)))
+    assert all(len(b.indices) <= 3 and b.padded_tokens <= 120 for b in batches)
+    assert batches[0].indices[0] == 5  # the longest goes first
+    assert sum(b.padded_tokens for b in batches) >= sum(lengths)
+    assert pack_micro_batches([500], 4, 100)[0].indices == (0,)  # too long: alone
+
+
+def test_loss_weights_give_the_documented_means():
+    assert loss_token_weights([2, 4], "sample_mean", 4) == [1 / 8, 1 / 16]
+    assert loss_token_weights([2, 4], "token_mean", 4) == [1 / 6, 1 / 6]
+
+
+def test_a_step_without_datums_skips_the_update(tiny_model_dir):
+    model, optimizer = load_policy(tiny_model_dir, None, CONFIG)
+    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    metrics = train_step(model, optimizer, [], CONFIG, num_trajectories=8)
+    assert metrics.skipped and metrics.datums == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, [p for p in model.parameters() if p.requires_grad]))
+
+
+def test_truncated_importance_sampling_corrects_the_sampler_gap(tiny_model_dir):
+    model, _ = load_policy(tiny_model_dir, None, CONFIG)
+    datum = on_policy_datums(model)[0]
+    shifted = replace(datum, old_logprobs=[o - 1.0 if m else 0.0 for o, m in zip(datum.old_logprobs, datum.loss_mask)])
+    plain, corrected = CONFIG, replace(CONFIG, tis_cap=2.0)
+    metrics = []
+    for config in (plain, corrected):
+        model, optimizer = load_policy(tiny_model_dir, None, config)
+        metrics.append(train_step(model, optimizer, [shifted], config, num_trajectories=1))
+    assert metrics[0].logprob_gap == pytest.approx(1.0, abs=1e-4)
+    assert metrics[0].clip_fraction == 1.0  # ratio e^1 > 1.28: clipped without correction
+    assert metrics[1].clip_fraction == 0.0  # ratio against the trainer itself
+
+
+def test_full_fine_tune_and_checkpoint_round_trip(tiny_model_dir, tmp_path):
+    for config in (CONFIG, replace(CONFIG, lora_rank=0, learning_rate=1e-4)):
+        model, optimizer = load_policy(tiny_model_dir, None, config)
+        metrics = train_step(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
+        folder = tmp_path / f"rank{config.lora_rank}" / "checkpoint"
+        save_checkpoint(folder, model, optimizer, metrics, config, tiny_model_dir)
+        assert (folder / "_SUCCESS").exists() and json.loads((folder / "metrics.json").read_text())["datums"] == 2
+        restored, restored_optimizer = load_policy(tiny_model_dir, folder, config)
+        for (name, a), (_, b) in zip(model.named_parameters(), restored.named_parameters()):
+            torch.testing.assert_close(a, b, msg=name)
+        assert restored_optimizer.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+
+
+def test_retention_keeps_the_newest_and_every_nth(tmp_path):
+    folders = []
+    for step in range(6):
+        folder = tmp_path / f"step={step:04d}" / "checkpoint"
+        (folder / "adapter").mkdir(parents=True)
+        (folder / "optimizer.pt").write_text("x")
+        (folder / "_SUCCESS").write_text("")
+        folders.append((step, folder))
+    prune_checkpoints(folders, keep_last=2, keep_every=3)
+    kept = [step for step, folder in folders if (folder / "adapter").exists()]
+    assert kept == [0, 3, 4, 5]
+    assert all((folder / "_SUCCESS").exists() for _, folder in folders)
+
+
+@pytest.mark.slow
+def test_two_processes_give_the_same_parameters_as_one(tiny_model_dir, tmp_path):
+    model, _ = load_policy(tiny_model_dir, None, CONFIG)
+    datums = on_policy_datums(model) + [make_datum(1, g, list(range(100, 140)), list(range(700 + g, 710 + g)), 0.5 - g, [-3.0] * 10) for g in range(3)]
+    rows = [{"step": 0, **{k: v for k, v in asdict(d).items()}, "num_tokens": d.num_tokens} for d in datums]
+    write_table_atomically(table_from_rows(rows, DATUMS), tmp_path / "datums.parquet")
+    (tmp_path / "config.json").write_text(json.dumps(asdict(replace(CONFIG, micro_batch_items=1))))
+    common = ["-m", "jobs.trainer", "--base-model", str(tiny_model_dir), "--datums", str(tmp_path / "datums.parquet"), "--trajectories", "6", "--config", str(tmp_path / "config.json")]
+    subprocess.run([sys.executable, *common, "--out", str(tmp_path / "one")], check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517", *common, "--out", str(tmp_path / "two")], check=True, capture_output=True)
+    one, two = (load_file(tmp_path / name / "adapter" / "adapter_model.safetensors") for name in ("one", "two"))
+    assert one.keys() == two.keys()
+    for name in one:  # equal up to the order of float sums (a step moves weights by up to lr = 5e-3)
+        torch.testing.assert_close(one[name], two[name], rtol=0, atol=1e-6, msg=name)
+    assert json.loads((tmp_path / "two" / "metrics.json").read_text())["loss_tokens"] == json.loads((tmp_path / "one" / "metrics.json").read_text())["loss_tokens"]
+    assert len(datums_from_table(pq_read(tmp_path / "datums.parquet"))) == len(datums)
+
+
+def pq_read(path):
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path)
