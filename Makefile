@@ -38,7 +38,7 @@ data: $(INSTALLED)
 	$(PY) -m jobs.synthetic --out data
 
 run: $(INSTALLED) model
-	LUIGI_CONFIG_PATH=configs/cpu.cfg $(VENV)/bin/luigi --module pipeline ScoreTrajectories --step 0
+	LUIGI_CONFIG_PATH=configs/cpu.cfg $(VENV)/bin/luigi --module pipeline TrainStep --step 1
 
 test: $(INSTALLED) $(VLLM_INSTALLED) model
 	RETOOL_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS)

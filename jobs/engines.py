@@ -21,8 +21,9 @@ def sampler_kind(settings: RunSettings) -> str:
     return "vllm" if settings.device == "cuda" and vllm_available() else "hf"
 
 
-def get_sampler(settings: RunSettings, model_dir: Path | None = None) -> Sampler:
-    model_dir = model_dir or resolve_model(settings.model)
+def get_sampler(settings: RunSettings, policy: Path | None = None) -> Sampler:
+    """The process's engine, switched to `policy` (a checkpoint folder; None = the base model)."""
+    model_dir = resolve_model(settings.model)
     kind = sampler_kind(settings)
     key = (kind, str(model_dir), settings.device)
     if key not in _engines:
@@ -30,9 +31,10 @@ def get_sampler(settings: RunSettings, model_dir: Path | None = None) -> Sampler
         if kind == "vllm":
             from jobs.vllm_sampler import VLLMSampler
 
-            _engines[key] = VLLMSampler(model_dir, settings.device, max_model_len=settings.max_trajectory_tokens)
+            _engines[key] = VLLMSampler(model_dir, settings.device, max_model_len=settings.max_trajectory_tokens, lora_rank=settings.lora_rank)
         else:
             from jobs.hf_sampler import HFSampler
 
             _engines[key] = HFSampler(model_dir, device=settings.device)
+    _engines[key].use_policy(policy)
     return _engines[key]

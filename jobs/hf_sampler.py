@@ -22,8 +22,25 @@ class HFSampler:
 
         self.model_path = Path(model_path)
         self.device = torch.device(device)
+        self.dtype = dtype
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(self.device).eval()
+        self.policy: Path | None = None  # checkpoint whose weights are loaded; None = the base model
+
+    def use_policy(self, checkpoint: Path | None) -> None:
+        """Samples from a training checkpoint from now on: its full weights, or the base model with
+        its LoRA adapter merged in (merging once makes sampling as fast as the base model)."""
+        if checkpoint == self.policy:
+            return
+        from transformers import AutoModelForCausalLM
+
+        weights = checkpoint / "model" if checkpoint is not None and (checkpoint / "model").is_dir() else self.model_path
+        model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=self.dtype)
+        if checkpoint is not None and (checkpoint / "adapter").is_dir():
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(checkpoint / "adapter")).merge_and_unload()
+        self.model, self.policy = model.to(self.device).eval(), checkpoint
 
     def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
         if not requests:

@@ -11,9 +11,10 @@ from typing import Any
 
 from jobs.rollout import RolloutConfig
 from jobs.sandbox import SandboxConfig
+from jobs.trainer import TrainerConfig
 
 # Settings that change how fast a run goes, never what it produces: free to differ between commands.
-OPERATIONAL = ("sandbox_workers", "runs_dir", "run")
+OPERATIONAL = ("sandbox_workers", "runs_dir", "run", "train_processes", "keep_last", "keep_every")
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct, built from a PyPI wheel
 
 
@@ -44,12 +45,27 @@ class RunSettings:
     top_p: float = 1.0
     seed: int = 42
     trainer_max_tokens: int = 8192
+    lora_rank: int = 32  # 0 = full fine-tune
+    lora_alpha: int = 64
+    learning_rate: float = 4e-5
+    max_grad_norm: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    loss_aggregation: str = "sample_mean"  # sample_mean | token_mean
+    micro_batch_items: int = 8
+    micro_batch_tokens: int = 16384  # padded tokens per micro-batch
+    tis_cap: float = 0.0  # truncated importance sampling cap; 0 = off
+    filter_zero_variance_groups: bool = False
+    trainer_dtype: str = "float32"  # float32 | bfloat16
+    train_processes: int = 1  # > 1 trains under torchrun with that many processes
+    keep_last: int = 3  # checkpoints that keep their weights and optimizer state
+    keep_every: int = 0  # also keep those of every N-th step (0 = none)
     sandbox_timeout_seconds: float = 10.0
     sandbox_memory_mb: int = 2048
     sandbox_workers: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("questions_per_step", "shards", "sandbox_workers"):
+        for name in ("questions_per_step", "shards", "sandbox_workers", "train_processes", "keep_last"):
             if getattr(self, name) <= 0:
                 raise SettingsError(f"setting {name} must be positive, got {getattr(self, name)}")
         if self.shards > self.questions_per_step:
@@ -61,12 +77,17 @@ class RunSettings:
         try:
             self.rollout_config()
             self.sandbox_config()
+            self.trainer_config()
         except ValueError as error:
             raise SettingsError(str(error)) from None
 
     def rollout_config(self) -> RolloutConfig:
         names = {f.name for f in fields(RolloutConfig)}
         return RolloutConfig(**{name: value for name, value in asdict(self).items() if name in names})
+
+    def trainer_config(self) -> TrainerConfig:
+        names = {f.name for f in fields(TrainerConfig)} - {"dtype"}
+        return TrainerConfig(dtype=self.trainer_dtype, **{name: value for name, value in asdict(self).items() if name in names})
 
     def sandbox_config(self) -> SandboxConfig:
         return SandboxConfig(timeout_seconds=self.sandbox_timeout_seconds, cpu_seconds=max(1, int(self.sandbox_timeout_seconds)),

@@ -52,18 +52,28 @@ def linear_recurrence(rng: random.Random) -> tuple[str, int]:
     return question, (current if index > 1 else first) % modulus
 
 
+def small_arithmetic(rng: random.Random) -> tuple[str, int]:
+    """Easy enough for a 135M model to get right sometimes: gives the CPU default a learning signal."""
+    a, b = rng.randint(2, 40), rng.randint(2, 40)
+    if rng.random() < 0.5:
+        return f"What is ${a} + {b}$?", a + b
+    return f"What is ${a} \\times {b}$?", a * b
+
+
 GENERATORS: dict[str, Callable[[random.Random], tuple[str, int]]] = {
+    "small_arithmetic": small_arithmetic,
     "modular_power": modular_power,
     "conditional_count": conditional_count,
     "digit_sum_range": digit_sum_range,
     "linear_recurrence": linear_recurrence,
 }
+EASY = ["small_arithmetic"]  # kept out of the default mix
 
 
-def generate(count: int, seed: int, prefix: str) -> list[MathExample]:
-    """`count` problems cycling through every kind; the same seed always gives the same problems."""
+def generate(count: int, seed: int, prefix: str, kinds: list[str] | None = None) -> list[MathExample]:
+    """`count` problems cycling through the kinds; the same seed always gives the same problems."""
     rng = random.Random(seed)
-    kinds = list(GENERATORS)
+    kinds = kinds or [kind for kind in GENERATORS if kind not in EASY]
     examples = []
     for index in range(count):
         kind = kinds[index % len(kinds)]
@@ -80,7 +90,8 @@ def main() -> None:
     args = parser.parse_args()
     write_examples(generate(args.train, seed=1, prefix="train"), args.out / "synthetic_train.jsonl")
     write_examples(generate(args.eval, seed=2, prefix="eval"), args.out / "synthetic_eval.jsonl")
-    print(f"wrote {args.train} train and {args.eval} eval problems under {args.out}/")
+    write_examples(generate(128, seed=3, prefix="easy", kinds=EASY), args.out / "synthetic_easy.jsonl")
+    print(f"wrote {args.train} train, {args.eval} eval and 128 easy problems under {args.out}/")
 
 
 if __name__ == "__main__":

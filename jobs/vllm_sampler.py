@@ -25,7 +25,7 @@ def vllm_available() -> bool:
 
 
 class VLLMSampler:
-    def __init__(self, model_path: str | Path, device: str, max_model_len: int, gpu_memory_utilization: float = 0.5):
+    def __init__(self, model_path: str | Path, device: str, max_model_len: int, lora_rank: int = 0, gpu_memory_utilization: float = 0.5):
         if device == "cpu":
             for name, value in CPU_ENVIRONMENT.items():
                 os.environ.setdefault(name, value)
@@ -33,7 +33,28 @@ class VLLMSampler:
 
         self.model_path = Path(model_path)
         options = {"dtype": "float32", "enforce_eager": True} if device == "cpu" else {"dtype": "bfloat16", "gpu_memory_utilization": gpu_memory_utilization}
+        if lora_rank:
+            options.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
         self.llm = LLM(model=str(model_path), max_model_len=max_model_len, seed=0, **options)
+        self.policy: Path | None = None
+        self.lora_request = None  # the adapter every request is sampled with, if any
+
+    def use_policy(self, checkpoint: Path | None) -> None:
+        """LoRA checkpoints are served as adapters, each under a new id: vLLM caches adapters by id,
+        so reusing one would silently serve old weights. Full checkpoints are reloaded in place."""
+        if checkpoint == self.policy:
+            return
+        self.lora_request = None
+        if checkpoint is not None and (checkpoint / "adapter").is_dir():
+            from vllm.lora.request import LoRARequest
+
+            self._lora_ids = getattr(self, "_lora_ids", 0) + 1
+            self.lora_request = LoRARequest(f"policy-{self._lora_ids}", self._lora_ids, str(checkpoint / "adapter"))
+        else:
+            weights = checkpoint / "model" if checkpoint is not None else self.model_path
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights)})
+        self.llm.reset_prefix_cache()
+        self.policy = checkpoint
 
     def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
         if not requests:
@@ -50,7 +71,7 @@ class VLLMSampler:
             )
             for request in requests
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         replies = []
         for output in outputs:
             sequences = []

@@ -7,7 +7,7 @@ import luigi
 
 from jobs.settings import RunSettings
 
-_PARAMETER_TYPES = {int: luigi.IntParameter, float: luigi.FloatParameter, str: luigi.Parameter}
+_PARAMETER_TYPES = {bool: luigi.BoolParameter, int: luigi.IntParameter, float: luigi.FloatParameter, str: luigi.Parameter}
 
 retool = type(
     "retool",

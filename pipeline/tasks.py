@@ -8,8 +8,9 @@ import luigi
 from jobs.data import read_examples, shuffled, take_batch
 from jobs.runtime import prepare_run, protocol_for, read_round_files, sandbox_for
 from jobs.engines import get_sampler
-from jobs.stages import describe, execute_round, prompts_table, replay, sample_round, score_step
-from jobs.tables import PROMPTS, SAMPLES, read_table, write_table_atomically
+from jobs.stages import datums_table, describe, execute_round, prompts_table, replay, sample_round, score_step
+from jobs.training import checkpoint_dir, describe_metrics, train_stage
+from jobs.tables import PROMPTS, SAMPLES, TRAJECTORIES, read_table, write_table_atomically
 from pipeline.config import current_settings
 
 
@@ -26,10 +27,12 @@ class RunTask(luigi.Task):
         return luigi.LocalTarget(str(self.settings.run_dir / f"step={self.step:04d}" / relative))
 
     def complete(self) -> bool:
-        """Complete only when the output exists and every input is complete too, so deleting one
-        stage's output re-runs that stage and everything downstream of it."""
+        """Complete only when the output exists and every input of the same step is complete too, so
+        deleting one stage's output re-runs that stage and everything downstream of it. The policy
+        of the step before counts by its own marker (no walk back through every earlier step)."""
         prepare_run(self.settings)  # validates the machine and freezes or checks config.json
-        return super().complete() and all(task.complete() for task in luigi.task.flatten(self.requires()))
+        inputs = luigi.task.flatten(self.requires())
+        return super().complete() and all(t.complete() if t.step == self.step else t.output().exists() for t in inputs)
 
     def write(self, table) -> None:
         write_table_atomically(table, self.output().path)  # replaces a stale output in one rename
@@ -64,7 +67,8 @@ class SampleRound(RunTask):
     shard = luigi.IntParameter(default=0)
 
     def requires(self):
-        return Prompts(step=self.step) if self.round == 0 else ExecuteRound(step=self.step, round=self.round - 1, shard=self.shard)
+        state = Prompts(step=self.step) if self.round == 0 else ExecuteRound(step=self.step, round=self.round - 1, shard=self.shard)
+        return [state, TrainStep(step=self.step - 1)] if self.step > 0 else [state]
 
     def output(self):
         return self.step_target(f"shard={self.shard:02d}/round={self.round:02d}/samples.parquet")
@@ -72,7 +76,8 @@ class SampleRound(RunTask):
     def run(self):
         settings = self.settings
         trajectories = self.state(self.shard, self.round)
-        self.write(sample_round(trajectories, lambda: get_sampler(settings), protocol_for(settings), settings.rollout_config(), self.step, self.round))
+        policy = checkpoint_dir(settings, self.step - 1) if self.step > 0 else None
+        self.write(sample_round(trajectories, lambda: get_sampler(settings, policy), protocol_for(settings), settings.rollout_config(), self.step, self.round))
 
 
 class ExecuteRound(RunTask):
@@ -104,3 +109,31 @@ class ScoreTrajectories(RunTask):
         settings = self.settings
         trajectories = [t for shard in range(settings.shards) for t in self.state(shard, settings.max_assistant_turns)]
         self.write(score_step(trajectories, self.step))
+
+
+class BuildDatums(RunTask):
+    def requires(self):
+        return ScoreTrajectories(step=self.step)
+
+    def output(self):
+        return self.step_target("datums.parquet")
+
+    def run(self):
+        settings = self.settings
+        trajectories = [t for shard in range(settings.shards) for t in self.state(shard, settings.max_assistant_turns)]
+        scored = read_table(self.input().path, TRAJECTORIES)
+        self.write(datums_table(trajectories, scored, self.step, settings.trainer_max_tokens))
+
+
+class TrainStep(RunTask):
+    """One PPO update from the step's datums; its checkpoint is the policy the next step samples."""
+
+    def requires(self):
+        return [BuildDatums(step=self.step)] + ([TrainStep(step=self.step - 1)] if self.step > 0 else [])
+
+    def output(self):
+        return self.step_target("checkpoint/_SUCCESS")
+
+    def run(self):
+        metrics = train_stage(self.settings, self.step, self.settings.device)
+        self.summary = describe_metrics(metrics)

@@ -50,11 +50,18 @@ def turn_of(request) -> int:
     return request.seed & 63
 
 
+def step_of(request) -> int:
+    """The training step a request samples for (bits 27-46 of its seed)."""
+    return (request.seed >> 27) & (2**20 - 1)
+
+
 def scripted(protocol: ChatProtocol, choose, close: bool = True):
-    """A script for ScriptedSampler from `choose(question_index, group_index, turn) -> text`."""
+    """A script for ScriptedSampler from `choose(question_index, group_index, turn) -> text`, or
+    `choose(question_index, group_index, turn, step)` when it takes four arguments."""
+    takes_step = choose.__code__.co_argcount == 4
 
     def script(request, index):
-        group_index = request.group_indices[index]
-        return completion(protocol, choose(request.question_index, group_index, turn_of(request)), close=close)
+        where = (request.question_index, request.group_indices[index], turn_of(request)) + ((step_of(request),) if takes_step else ())
+        return completion(protocol, choose(*where), close=close)
 
     return script

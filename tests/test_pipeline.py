@@ -57,22 +57,22 @@ def batch(settings, step):
     return take_batch(shuffled(read_examples(settings.train_data), settings.data_seed), step, settings.questions_per_step)
 
 
-def tool_policy(settings, step):
+def tool_policy(settings, _step=None):
     """Branch (q + g) % 3 calls the tool that many times, then answers; even branches correctly."""
     protocol = protocol_for(settings)
-    answers = [example.answer for example in batch(settings, step)]
 
-    def choose(question, group, turn):
+    def choose(question, group, turn, step):
         if turn < (question + group) % 3:
             return tool_call_text(f"print({question} * 10 + {turn})\n{question} ** {turn + 2}", protocol.tool_format)
-        return f"So the result is \\boxed{{{answers[question] if group % 2 == 0 else -1}}}."
+        answer = batch(settings, step)[question].answer
+        return f"So the result is \\boxed{{{answer if group % 2 == 0 else -1}}}."
 
     return ScriptedSampler(scripted(protocol, choose))
 
 
 def build(settings, step, sampler=None, monkeypatch=None):
     if sampler is not None:
-        monkeypatch.setattr(pipeline.tasks, "get_sampler", lambda settings: sampler)
+        monkeypatch.setattr(pipeline.tasks, "get_sampler", lambda settings, policy=None: sampler)
     return luigi.build([ScoreTrajectories(step=step)], local_scheduler=True, workers=1, log_level="WARNING")
 
 
@@ -195,3 +195,46 @@ def test_readme_polars_snippets_answer_their_questions(configure, monkeypatch):
     assert namespace["reward_by_step"]["trajectories"].to_list() == [9, 9]
     assert namespace["tool_calls_by_round"]["calls"].sum() > 0
     assert 0 < namespace["longest_observations"].height <= 5
+
+
+TRAIN = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3, "micro_batch_items": 2, "micro_batch_tokens": 4096}
+
+
+def build_train(settings, step, sampler, monkeypatch):
+    monkeypatch.setattr(pipeline.tasks, "get_sampler", lambda settings, policy=None: sampler)
+    return luigi.build([pipeline.tasks.TrainStep(step=step)], local_scheduler=True, workers=1, log_level="WARNING")
+
+
+def test_train_step_runs_steps_in_a_chain_and_resumes_exactly(configure, monkeypatch):
+    from safetensors.torch import load_file
+
+    together = configure(run="together", **TRAIN)
+    assert build_train(together, 1, tool_policy(together, 0), monkeypatch)
+    apart = configure(run="apart", **TRAIN)
+    assert build_train(apart, 0, tool_policy(apart, 0), monkeypatch)
+    assert not (step_dir(apart, 1)).exists()
+    assert build_train(apart, 1, tool_policy(apart, 0), monkeypatch)  # a second command
+    for step in (0, 1):
+        datums = [pa.parquet.read_table(step_dir(s, step) / "datums.parquet") for s in (together, apart)]
+        assert datums[0].equals(datums[1]) and datums[0].num_rows > 0
+        weights = [load_file(step_dir(s, step) / "checkpoint/adapter/adapter_model.safetensors") for s in (together, apart)]
+        assert all(bool((weights[0][k] == weights[1][k]).all()) for k in weights[0])
+        assert (step_dir(together, step) / "checkpoint/metrics.json").read_text() != ""
+    before = load_file(step_dir(together, 0) / "checkpoint/adapter/adapter_model.safetensors")
+    after = load_file(step_dir(together, 1) / "checkpoint/adapter/adapter_model.safetensors")
+    assert any(not bool((before[k] == after[k]).all()) for k in before)  # the second step moved the policy
+
+
+def test_datums_match_the_trajectories(configure, monkeypatch):
+    settings = configure(run="datums", **TRAIN)
+    assert build_train(settings, 0, tool_policy(settings, 0), monkeypatch)
+    trajectories = read_table(step_dir(settings, 0) / "trajectories.parquet", TRAJECTORIES).to_pylist()
+    datums = pa.parquet.read_table(step_dir(settings, 0) / "datums.parquet").to_pylist()
+    with_signal = [(t["question_index"], t["group_index"]) for t in trajectories if t["advantage"] != 0]
+    assert [(d["question_index"], d["group_index"]) for d in datums] == with_signal
+    for datum in datums:
+        trajectory = next(t for t in trajectories if (t["question_index"], t["group_index"]) == (datum["question_index"], datum["group_index"]))
+        assert datum["num_tokens"] == trajectory["trajectory_tokens"] - 1 == len(datum["target_tokens"])
+        assert sum(datum["loss_mask"]) == trajectory["sampled_tokens"]
+        assert [a for a, m in zip(datum["advantages"], datum["loss_mask"]) if m] == pytest.approx([trajectory["advantage"]] * sum(datum["loss_mask"]))
+        assert all(a == 0 and o == 0 for a, o, m in zip(datum["advantages"], datum["old_logprobs"], datum["loss_mask"]) if not m)
