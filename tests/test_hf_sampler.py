@@ -60,3 +60,30 @@ def test_stop_tokens_and_strings_end_a_row(sampler):
     by_string = sampler.sample([request], SamplingSettings(stop_strings=(stop_string,)))[0][0]
     assert by_string.finish_reason == "stop" and stop_string in sampler.tokenizer.decode(list(by_string.tokens))
     assert len(by_string.tokens) < len(free.tokens) or free.finish_reason == "stop"
+
+
+def test_sampling_from_a_lora_checkpoint_matches_the_trained_model(tiny_model_dir, tmp_path):
+    from dataclasses import replace
+
+    from jobs.trainer import TrainerConfig, load_policy, save_checkpoint, train_step
+    from tests.test_trainer import on_policy_datums
+
+    config = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2)
+    model, optimizer = load_policy(tiny_model_dir, None, config)
+    metrics = train_step(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
+    save_checkpoint(tmp_path / "checkpoint", model, optimizer, metrics, config, tiny_model_dir)
+    sampler = HFSampler(tiny_model_dir)
+    request = requests_for(sampler)[0]
+    base = sampler.sample([request], SamplingSettings())[0][0]
+    sampler.use_policy(tmp_path / "checkpoint")
+    trained = sampler.sample([request], SamplingSettings())[0][0]
+    ids = torch.tensor([list(request.prompt_tokens) + list(trained.tokens)])
+    model.eval()
+    with torch.no_grad():
+        logprobs = model(ids).logits[0].float().log_softmax(-1)
+    start = len(request.prompt_tokens) - 1
+    expected = [logprobs[start + i, token].item() for i, token in enumerate(trained.tokens)]
+    assert max(abs(a - b) for a, b in zip(expected, trained.logprobs)) < 1e-4
+    assert trained.logprobs != base.logprobs
+    sampler.use_policy(None)
+    assert sampler.sample([request], SamplingSettings())[0][0] == base

@@ -19,7 +19,7 @@ if not os.environ.get("RETOOL_REQUIRE_VLLM"):
 def engine(tiny_model_dir):
     from jobs.vllm_sampler import VLLMSampler
 
-    return VLLMSampler(tiny_model_dir, device="cpu", max_model_len=512)
+    return VLLMSampler(tiny_model_dir, device="cpu", max_model_len=512, lora_rank=8)
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +65,30 @@ def test_stop_token_is_kept_in_the_tokens(engine):
     stop = free.tokens[2]
     stopped = engine.sample(requests()[:1], SamplingSettings(stop_token_ids=(stop,)))[0][0]
     assert stopped.finish_reason == "stop" and stopped.tokens[-1] == stop and len(stopped.tokens) == len(stopped.logprobs)
+
+
+def test_a_lora_checkpoint_is_served_as_a_fresh_adapter(engine, tiny_model_dir, tmp_path):
+    from jobs.trainer import TrainerConfig, load_policy, save_checkpoint, train_step
+    from tests.test_trainer import on_policy_datums
+
+    config = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2)
+    model, optimizer = load_policy(tiny_model_dir, None, config)
+    checkpoints = []
+    for step in range(2):  # two checkpoints: the second must not be served from the first's cache
+        metrics = train_step(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
+        save_checkpoint(tmp_path / f"step{step}", model, optimizer, metrics, config, tiny_model_dir)
+        checkpoints.append(tmp_path / f"step{step}")
+    model.eval()
+    request = requests()[0]
+    for checkpoint in checkpoints:
+        engine.use_policy(checkpoint)
+        sequence = engine.sample([request], SamplingSettings())[0][0]
+        ids = torch.tensor([list(request.prompt_tokens) + list(sequence.tokens)])
+        with torch.no_grad():
+            logprobs = model(ids).logits[0].float().log_softmax(-1) if checkpoint == checkpoints[-1] else None
+        if logprobs is not None:
+            start = len(request.prompt_tokens) - 1
+            expected = [logprobs[start + i, token].item() for i, token in enumerate(sequence.tokens)]
+            assert max(abs(a - b) for a, b in zip(expected, sequence.logprobs)) < 1e-3
+    engine.use_policy(None)
+    assert engine.lora_request is None
