@@ -25,6 +25,7 @@ CODE_INTERPRETER_TOOL = {
         },
     },
 }
+TEXT_ONLY_SYSTEM_PROMPT = "Solve the math problem step by step. Put the final answer in \\boxed{}."
 SYSTEM_PROMPT = (
     "Solve the math problem step by step. You can call the code_interpreter tool to run Python "
     "for calculations and checks; its output comes back to you. Put the final answer in \\boxed{}."
@@ -137,7 +138,7 @@ def _tools_block(tool_format: str) -> str:
 class ChatProtocol:
     """Renders prompts and continuations for one tokenizer and chat template."""
 
-    def __init__(self, tokenizer, tool_format: str = "auto", system_prompt: str = SYSTEM_PROMPT, chat_template: str | Path | None = None):
+    def __init__(self, tokenizer, tool_format: str = "auto", system_prompt: str | None = None, chat_template: str | Path | None = None, tools: bool = True):
         self.tokenizer = tokenizer
         self.chat_template = Path(chat_template).read_text(encoding="utf-8") if chat_template else tokenizer.chat_template
         if not self.chat_template:
@@ -149,9 +150,15 @@ class ChatProtocol:
         if tool_format not in TOOL_FORMATS:
             raise ValueError(f"tool_format must be one of auto, {', '.join(TOOL_FORMATS)}; got {tool_format!r}")
         self.tool_format = tool_format
+        self.tools = [CODE_INTERPRETER_TOOL] if tools else None  # None: text-only, no tool declared
         probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
         self.template_handles_tools = self._render_raw(probe, False, tools=[CODE_INTERPRETER_TOOL]) != self._render_raw(probe, False, tools=None)
-        self.system_prompt = system_prompt if self.template_handles_tools else system_prompt + _tools_block(tool_format)
+        if not tools:
+            self.system_prompt = system_prompt or TEXT_ONLY_SYSTEM_PROMPT
+        elif self.template_handles_tools:
+            self.system_prompt = system_prompt or SYSTEM_PROMPT
+        else:
+            self.system_prompt = (system_prompt or SYSTEM_PROMPT) + _tools_block(tool_format)
         self.closing_text = self._closing_text(probe)
         self.stop_token_ids = self._stop_token_ids()
         self.stop_strings = ("</tool_call>",)  # a call is complete here; nothing may follow it
@@ -165,7 +172,7 @@ class ChatProtocol:
         )
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self._render_raw(messages, add_generation_prompt, [CODE_INTERPRETER_TOOL] if self.template_handles_tools else None)
+        return self._render_raw(messages, add_generation_prompt, self.tools if self.template_handles_tools else None)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -14,7 +14,7 @@ fit_tool_content, finish_advance, score_trajectory, assign_group_advantages.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from jobs.data import MathExample
@@ -26,15 +26,16 @@ from jobs.sandbox import ExecutionResult, Sandbox, neutralise
 STOP_REASONS = ("answer", "invalid", "max_code_calls", "max_turns", "token_budget", "observation_over_budget", "prompt_over_budget")
 TRUNCATION_MARKER = "[... truncated ...]\n"
 
-# Seed layout, high bits to low: base seed | step | question | branch | turn. Every field has its own
-# bits, so two different sampling calls can never share a seed (the reference's seed + index +
-# 10000 * turn could). 16 + 20 + 12 + 9 + 6 = 63 bits, a valid seed for every engine.
+# Seed layout, high bits to low: base seed | step + 1 | question | branch | turn. Every field has its
+# own bits, so two different sampling calls can never share a seed (the reference's seed + index +
+# 10000 * turn could). 16 + 20 + 12 + 9 + 6 = 63 bits, a valid seed for every engine. The step is
+# stored plus one so that step -1 (an evaluation of the base model) has a place too.
 SEED_FIELDS = (("seed", 16), ("step", 20), ("question_index", 12), ("group_index", 9), ("turn", 6))
 
 
 def sample_seed(seed: int, step: int, question_index: int, group_index: int, turn: int) -> int:
     packed = 0
-    for (name, bits), value in zip(SEED_FIELDS, (seed, step, question_index, group_index, turn), strict=True):
+    for (name, bits), value in zip(SEED_FIELDS, (seed, step + 1, question_index, group_index, turn), strict=True):
         if not 0 <= value < 2**bits:
             raise ValueError(f"{name}={value} does not fit the seed layout (0 <= {name} < {2**bits})")
         packed = (packed << bits) | value
@@ -290,11 +291,12 @@ def assign_group_advantages(trajectories: Sequence[Trajectory]) -> None:
             trajectory.advantage = trajectory.reward - mean
 
 
-def degenerate_groups(trajectories: Sequence[Trajectory]) -> int:
-    """Questions whose whole group got the same reward (advantage 0 everywhere: no learning signal)."""
+def zero_variance_groups(question_rewards: Iterable[tuple[int, float]]) -> int:
+    """Questions whose whole group got the same reward: advantage 0 everywhere, no learning signal.
+    Takes (question_index, reward) pairs."""
     rewards: dict[int, set[float]] = defaultdict(set)
-    for trajectory in trajectories:
-        rewards[trajectory.question_index].add(trajectory.reward)
+    for question_index, reward in question_rewards:
+        rewards[question_index].add(reward)
     return sum(1 for values in rewards.values() if len(values) == 1)
 
 

@@ -5,11 +5,17 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
+import pyarrow as pa
+
+from jobs.evaluation import summarize_eval
+from jobs.metrics import describe_step, export_tensorboard, metrics_table, stage_seconds, step_metrics
 from jobs.protocol import ChatProtocol, load_tokenizer
+from jobs.runs import EvalSpec, step_folder
 from jobs.sandbox import Sandbox
 from jobs.settings import RunSettings, check_machine, freeze, resolve_model
 from jobs.stages import RoundFiles
-from jobs.tables import OBSERVATIONS, SAMPLES, read_table
+from jobs.tables import OBSERVATIONS, SAMPLES, TRAJECTORIES, read_table, write_table_atomically
+from jobs.trainer import StepMetrics
 
 
 @lru_cache(maxsize=None)
@@ -22,7 +28,7 @@ def prepare_run(settings: RunSettings) -> None:
 @lru_cache(maxsize=4)
 def protocol_for(settings: RunSettings) -> ChatProtocol:
     tokenizer = load_tokenizer(resolve_model(settings.model))
-    return ChatProtocol(tokenizer, tool_format=settings.tool_format, chat_template=settings.chat_template or None)
+    return ChatProtocol(tokenizer, tool_format=settings.tool_format, chat_template=settings.chat_template or None, tools=settings.use_tools)
 
 
 @lru_cache(maxsize=4)
@@ -30,14 +36,30 @@ def sandbox_for(settings: RunSettings) -> Sandbox:
     return Sandbox(settings.sandbox_config(), forbidden_strings=protocol_for(settings).forbidden_strings)
 
 
-def round_dir(settings: RunSettings, step: int, shard: int, round_index: int) -> Path:
-    return settings.run_dir / f"step={step:04d}" / f"shard={shard:02d}" / f"round={round_index:02d}"
+def round_dir(step_folder: Path, shard: int, round_index: int) -> Path:
+    return step_folder / f"shard={shard:02d}" / f"round={round_index:02d}"
 
 
-def read_round_files(settings: RunSettings, step: int, shard: int, rounds: int) -> list[RoundFiles]:
+def read_round_files(step_folder: Path, shard: int, rounds: int) -> list[RoundFiles]:
     """The samples and observations of the first `rounds` rounds of one shard."""
     files = []
     for round_index in range(rounds):
-        folder = round_dir(settings, step, shard, round_index)
+        folder = round_dir(step_folder, shard, round_index)
         files.append(RoundFiles(read_table(folder / "samples.parquet", SAMPLES), read_table(folder / "observations.parquet", OBSERVATIONS)))
     return files
+
+
+def metrics_stage(settings: RunSettings, step: int, training: StepMetrics) -> str:
+    """Writes step=NNNN/metrics.parquet (and TensorBoard scalars when available); returns its line."""
+    folder = step_folder(settings, step)
+    observations = [read_table(path, OBSERVATIONS) for path in sorted(folder.glob("shard=*/round=*/observations.parquet"))]
+    metrics = step_metrics(step, read_table(folder / "trajectories.parquet", TRAJECTORIES), pa.concat_tables(observations), training, stage_seconds(folder))
+    write_table_atomically(metrics_table(metrics), folder / "metrics.parquet")
+    export_tensorboard(settings.run_dir / "tensorboard", metrics)
+    return describe_step(metrics)
+
+
+def evaluate_stage(trajectories: pa.Table, evaluation: EvalSpec, step: int, out: str | Path) -> dict:
+    summary = {"dataset": evaluation.dataset, "mode": evaluation.mode, "step": step, **summarize_eval(trajectories, evaluation.n)}
+    write_table_atomically(pa.Table.from_pylist([summary]), out)
+    return summary

@@ -29,6 +29,7 @@ class RunSettings:
     model: str = "Qwen/Qwen3.5-4B"  # local folder, a model in the local Hugging Face cache, or "default"
     chat_template: str = ""  # path to a Jinja chat template; "" uses the model's own
     tool_format: str = "auto"  # xml | hermes | auto (detected from the template)
+    use_tools: bool = True  # false: no tool is declared (a text-only run)
     device: str = "cuda"  # cuda | cpu
     sampler: str = "auto"  # vllm | hf | auto (vllm on a GPU, else the faster one on this machine)
     train_data: str = "data/synthetic_train.jsonl"

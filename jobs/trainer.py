@@ -57,6 +57,7 @@ class TrainerConfig:
 class StepMetrics:
     datums: int
     trajectories: int  # trajectories of the step, datums or not
+    zero_variance_groups: int  # questions whose group got equal rewards (no learning signal)
     loss_tokens: int  # sampled tokens the loss saw
     tokens: int  # real tokens of all datums
     padded_tokens: int  # tokens processed, padding included
@@ -164,7 +165,7 @@ def accumulate_gradients(model, datums: list[Datum], batches: list[MicroBatch], 
     return totals
 
 
-def train_step(model, optimizer, datums: list[Datum], config: TrainerConfig, num_trajectories: int, device: str = "cpu") -> StepMetrics:
+def train_step(model, optimizer, datums: list[Datum], config: TrainerConfig, num_trajectories: int, device: str = "cpu", zero_variance_groups: int = 0) -> StepMetrics:
     """Exactly one optimizer step over all datums of a training step (none if there are none)."""
     started = time.perf_counter()
     parameters = [p for p in model.parameters() if p.requires_grad]
@@ -189,7 +190,7 @@ def train_step(model, optimizer, datums: list[Datum], config: TrainerConfig, num
     loss_tokens = int(totals[4])
     real_tokens = sum(d.num_tokens for d in datums)
     return StepMetrics(
-        datums=len(datums), trajectories=num_trajectories, loss_tokens=loss_tokens, tokens=real_tokens,
+        datums=len(datums), trajectories=num_trajectories, zero_variance_groups=zero_variance_groups, loss_tokens=loss_tokens, tokens=real_tokens,
         padded_tokens=sum(b.padded_tokens for b in batches), micro_batches=len(batches), loss=float(totals[0]), grad_norm=grad_norm,
         clip_fraction=float(totals[1]) / max(loss_tokens, 1), logprob_gap=float(totals[2]) / max(loss_tokens, 1),
         kl_sampler_trainer=float(totals[3]) / max(loss_tokens, 1), seconds=seconds,
@@ -259,11 +260,11 @@ def prune_checkpoints(checkpoints: list[tuple[int, Path]], keep_last: int, keep_
 
 # -- one step from files, in-process or under torchrun ------------------------------------------------
 
-def train_from_files(base_model: Path, datums: list[Datum], num_trajectories: int, previous: Path | None, out: Path, config: TrainerConfig, device: str = "cpu") -> StepMetrics:
+def train_from_files(base_model: Path, datums: list[Datum], num_trajectories: int, previous: Path | None, out: Path, config: TrainerConfig, device: str = "cpu", zero_variance_groups: int = 0) -> StepMetrics:
     if previous is None:
         set_seed(config.seed)
     model, optimizer = load_policy(base_model, previous, config, device)
-    metrics = train_step(model, optimizer, datums, config, num_trajectories, device)
+    metrics = train_step(model, optimizer, datums, config, num_trajectories, device, zero_variance_groups)
     if _rank_and_world()[0] == 0:
         save_checkpoint(out, model, optimizer, metrics, config, base_model)
     return metrics
@@ -277,6 +278,7 @@ def main() -> None:
     parser.add_argument("--base-model", type=Path, required=True)
     parser.add_argument("--datums", type=Path, required=True)
     parser.add_argument("--trajectories", type=int, required=True, help="trajectories in the step (sample_mean denominator)")
+    parser.add_argument("--zero-variance-groups", type=int, default=0, help="recorded in the metrics")
     parser.add_argument("--previous", type=Path, help="checkpoint of the step before, if any")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--config", type=Path, required=True, help="JSON of TrainerConfig fields")
@@ -288,7 +290,7 @@ def main() -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     config = TrainerConfig(**json.loads(args.config.read_text()))
     datums = datums_from_table(read_table(args.datums, DATUMS))
-    train_from_files(args.base_model, datums, args.trajectories, args.previous, args.out, config, device)
+    train_from_files(args.base_model, datums, args.trajectories, args.previous, args.out, config, device, args.zero_variance_groups)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

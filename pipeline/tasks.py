@@ -1,38 +1,56 @@
-"""Rollout stages as Luigi tasks. Each run() reads its inputs, calls one function of jobs.stages and
-writes its output atomically; the rules live in jobs/."""
+"""Rollout, training and evaluation stages as Luigi tasks. Each run() reads its inputs, calls one
+function of jobs/ and writes its output atomically; the rules live in jobs/."""
 
 from __future__ import annotations
 
 import luigi
 
-from jobs.data import read_examples, shuffled, take_batch
-from jobs.runtime import prepare_run, protocol_for, read_round_files, sandbox_for
 from jobs.engines import get_sampler
+from jobs.evaluation import EVAL_MODES, describe_eval
+from jobs.metrics import record_stage_seconds
+from jobs.runs import EvalSpec, policy_checkpoint, rollout_settings, step_examples, step_folder
+from jobs.runtime import evaluate_stage, metrics_stage, prepare_run, protocol_for, read_round_files, sandbox_for
 from jobs.stages import datums_table, describe, execute_round, prompts_table, replay, sample_round, score_step
-from jobs.training import checkpoint_dir, describe_metrics, train_stage
 from jobs.tables import PROMPTS, SAMPLES, TRAJECTORIES, read_table, write_table_atomically
+from jobs.training import describe_metrics, train_stage
 from pipeline.config import current_settings
 
 
 class RunTask(luigi.Task):
-    """A stage of one training step of one run: knows the run folder and refuses mixed settings."""
+    """A stage of one step of one run: a training step, or (with `dataset` set) the evaluation of
+    checkpoint `step` (-1: the base model) in its own folder under runs/<run>/eval/."""
 
     step = luigi.IntParameter()
+    dataset = luigi.Parameter(default="", description="evaluation data file; empty for training")
+    n = luigi.IntParameter(default=0, description="evaluation samples per question")
+    mode = luigi.ChoiceParameter(choices=EVAL_MODES, default="retool", description="evaluation mode")
+
+    @property
+    def run_settings(self):
+        return current_settings()
+
+    @property
+    def evaluation(self) -> EvalSpec | None:
+        return EvalSpec(self.dataset, self.n, self.mode) if self.dataset else None
 
     @property
     def settings(self):
-        return current_settings()
+        return rollout_settings(self.run_settings, self.evaluation)
 
-    def step_target(self, relative: str) -> luigi.LocalTarget:
-        return luigi.LocalTarget(str(self.settings.run_dir / f"step={self.step:04d}" / relative))
+    @property
+    def folder(self):
+        return step_folder(self.run_settings, self.step, self.evaluation)
+
+    def target(self, relative: str) -> luigi.LocalTarget:
+        return luigi.LocalTarget(str(self.folder / relative))
 
     def complete(self) -> bool:
-        """Complete only when the output exists and every input of the same step is complete too, so
-        deleting one stage's output re-runs that stage and everything downstream of it. The policy
-        of the step before counts by its own marker (no walk back through every earlier step)."""
-        prepare_run(self.settings)  # validates the machine and freezes or checks config.json
+        """Complete only when the output exists and every input of the same step and namespace is
+        complete too, so deleting one stage's output re-runs it and everything downstream. Other
+        steps (the policy) count by their own output: no walk back through every earlier step."""
+        prepare_run(self.run_settings)  # validates the machine and freezes or checks config.json
         inputs = luigi.task.flatten(self.requires())
-        return super().complete() and all(t.complete() if t.step == self.step else t.output().exists() for t in inputs)
+        return super().complete() and all(t.complete() if t.folder == self.folder else t.output().exists() for t in inputs)
 
     def write(self, table) -> None:
         write_table_atomically(table, self.output().path)  # replaces a stale output in one rename
@@ -40,26 +58,29 @@ class RunTask(luigi.Task):
 
     def state(self, shard: int, rounds: int):
         """The shard's trajectories after `rounds` complete rounds, rebuilt from the files."""
-        prompts = read_table(Prompts(step=self.step).output().path, PROMPTS)
-        files = read_round_files(self.settings, self.step, shard, rounds)
         settings = self.settings
-        return replay(prompts, files, protocol_for(settings), settings.rollout_config(), shard, settings.shards)
+        prompts = read_table(self.folder / "prompts.parquet", PROMPTS)
+        return replay(prompts, read_round_files(self.folder, shard, rounds), protocol_for(settings), settings.rollout_config(), shard, settings.shards)
+
+    def all_trajectories(self):
+        settings = self.settings
+        return [t for shard in range(settings.shards) for t in self.state(shard, settings.max_assistant_turns)]
 
 
 @RunTask.event_handler(luigi.Event.PROCESSING_TIME)
-def _print_summary(task: RunTask, seconds: float) -> None:
+def _report_stage(task: RunTask, seconds: float) -> None:
     """One line per finished stage: what it wrote, how long it took, and where."""
+    record_stage_seconds(task.folder, task.task_id, task.task_family, seconds)
     print(f"{task}: {getattr(task, 'summary', '')}, {seconds:.1f} s -> {task.output().path}", flush=True)
 
 
 class Prompts(RunTask):
     def output(self):
-        return self.step_target("prompts.parquet")
+        return self.target("prompts.parquet")
 
     def run(self):
-        settings = self.settings
-        examples = take_batch(shuffled(read_examples(settings.train_data), settings.data_seed), self.step, settings.questions_per_step)
-        self.write(prompts_table(examples, protocol_for(settings), self.step))
+        examples = step_examples(self.run_settings, self.step, self.evaluation)
+        self.write(prompts_table(examples, protocol_for(self.settings), self.step))
 
 
 class SampleRound(RunTask):
@@ -67,16 +88,16 @@ class SampleRound(RunTask):
     shard = luigi.IntParameter(default=0)
 
     def requires(self):
-        state = Prompts(step=self.step) if self.round == 0 else ExecuteRound(step=self.step, round=self.round - 1, shard=self.shard)
-        return [state, TrainStep(step=self.step - 1)] if self.step > 0 else [state]
+        state = self.clone(Prompts) if self.round == 0 else self.clone(ExecuteRound, round=self.round - 1)
+        policy = policy_checkpoint(self.run_settings, self.step, self.evaluation)
+        return [state] + ([TrainStep(step=self.step if self.evaluation else self.step - 1)] if policy else [])
 
     def output(self):
-        return self.step_target(f"shard={self.shard:02d}/round={self.round:02d}/samples.parquet")
+        return self.target(f"shard={self.shard:02d}/round={self.round:02d}/samples.parquet")
 
     def run(self):
-        settings = self.settings
+        settings, policy = self.settings, policy_checkpoint(self.run_settings, self.step, self.evaluation)
         trajectories = self.state(self.shard, self.round)
-        policy = checkpoint_dir(settings, self.step - 1) if self.step > 0 else None
         self.write(sample_round(trajectories, lambda: get_sampler(settings, policy), protocol_for(settings), settings.rollout_config(), self.step, self.round))
 
 
@@ -85,10 +106,10 @@ class ExecuteRound(RunTask):
     shard = luigi.IntParameter(default=0)
 
     def requires(self):
-        return SampleRound(step=self.step, round=self.round, shard=self.shard)
+        return self.clone(SampleRound)
 
     def output(self):
-        return self.step_target(f"shard={self.shard:02d}/round={self.round:02d}/observations.parquet")
+        return self.target(f"shard={self.shard:02d}/round={self.round:02d}/observations.parquet")
 
     def run(self):
         settings = self.settings
@@ -100,40 +121,55 @@ class ExecuteRound(RunTask):
 class ScoreTrajectories(RunTask):
     def requires(self):
         last_round = self.settings.max_assistant_turns - 1
-        return [ExecuteRound(step=self.step, round=last_round, shard=shard) for shard in range(self.settings.shards)]
+        return [self.clone(ExecuteRound, round=last_round, shard=shard) for shard in range(self.settings.shards)]
 
     def output(self):
-        return self.step_target("trajectories.parquet")
+        return self.target("trajectories.parquet")
 
     def run(self):
-        settings = self.settings
-        trajectories = [t for shard in range(settings.shards) for t in self.state(shard, settings.max_assistant_turns)]
-        self.write(score_step(trajectories, self.step))
+        self.write(score_step(self.all_trajectories(), self.step))
 
 
 class BuildDatums(RunTask):
     def requires(self):
-        return ScoreTrajectories(step=self.step)
+        return self.clone(ScoreTrajectories)
 
     def output(self):
-        return self.step_target("datums.parquet")
+        return self.target("datums.parquet")
 
     def run(self):
-        settings = self.settings
-        trajectories = [t for shard in range(settings.shards) for t in self.state(shard, settings.max_assistant_turns)]
         scored = read_table(self.input().path, TRAJECTORIES)
-        self.write(datums_table(trajectories, scored, self.step, settings.trainer_max_tokens))
+        self.write(datums_table(self.all_trajectories(), scored, self.step, self.settings.trainer_max_tokens))
 
 
 class TrainStep(RunTask):
-    """One PPO update from the step's datums; its checkpoint is the policy the next step samples."""
+    """One PPO update from the step's datums; its checkpoint is the policy the next step samples.
+    Also writes the step's metrics.parquet and prints them as one line."""
 
     def requires(self):
-        return [BuildDatums(step=self.step)] + ([TrainStep(step=self.step - 1)] if self.step > 0 else [])
+        return [self.clone(BuildDatums)] + ([TrainStep(step=self.step - 1)] if self.step > 0 else [])
 
     def output(self):
-        return self.step_target("checkpoint/_SUCCESS")
+        return self.target("checkpoint/_SUCCESS")
 
     def run(self):
-        metrics = train_stage(self.settings, self.step, self.settings.device)
-        self.summary = describe_metrics(metrics)
+        training = train_stage(self.settings, self.step, self.settings.device)
+        self.summary = f"{describe_metrics(training)}\n  {metrics_stage(self.settings, self.step, training)}"
+
+
+class Evaluate(RunTask):
+    """Average@N / Pass@N of checkpoint `step` (-1: the base model) on an eval set, in retool or
+    text-only mode: summary.parquet in the evaluation's folder, and one printed line."""
+
+    dataset = luigi.Parameter(default="data/synthetic_eval.jsonl")
+    n = luigi.IntParameter(default=4)
+
+    def requires(self):
+        return self.clone(ScoreTrajectories)
+
+    def output(self):
+        return self.target("summary.parquet")
+
+    def run(self):
+        summary = evaluate_stage(read_table(self.input().path, TRAJECTORIES), self.evaluation, self.step, self.output().path)
+        self.summary = f"{self.mode} on {self.dataset}: {describe_eval(summary)}"

@@ -51,8 +51,8 @@ def turn_of(request) -> int:
 
 
 def step_of(request) -> int:
-    """The training step a request samples for (bits 27-46 of its seed)."""
-    return (request.seed >> 27) & (2**20 - 1)
+    """The training step a request samples for (bits 27-46 of its seed hold step + 1)."""
+    return ((request.seed >> 27) & (2**20 - 1)) - 1
 
 
 def scripted(protocol: ChatProtocol, choose, close: bool = True):

@@ -238,3 +238,17 @@ def test_datums_match_the_trajectories(configure, monkeypatch):
         assert sum(datum["loss_mask"]) == trajectory["sampled_tokens"]
         assert [a for a, m in zip(datum["advantages"], datum["loss_mask"]) if m] == pytest.approx([trajectory["advantage"]] * sum(datum["loss_mask"]))
         assert all(a == 0 and o == 0 for a, o, m in zip(datum["advantages"], datum["old_logprobs"], datum["loss_mask"]) if not m)
+
+
+def test_train_step_writes_the_step_metrics(configure, monkeypatch):
+    settings = configure(run="metrics", **TRAIN)
+    assert build_train(settings, 0, tool_policy(settings, 0), monkeypatch)
+    (metrics,) = pa.parquet.read_table(step_dir(settings, 0) / "metrics.parquet").to_pylist()
+    trajectories = read_table(step_dir(settings, 0) / "trajectories.parquet", TRAJECTORIES).to_pylist()
+    assert metrics["reward_mean"] == pytest.approx(sum(t["reward"] for t in trajectories) / len(trajectories))
+    assert metrics["code_calls"] == pytest.approx(sum(t["code_calls"] for t in trajectories) / len(trajectories))
+    assert metrics["sandbox_calls"] == sum(t["code_calls"] for t in trajectories) and metrics["sandbox_ok_rate"] == 1.0
+    assert metrics["train_datums"] == pa.parquet.read_table(step_dir(settings, 0) / "datums.parquet").num_rows > 0
+    assert metrics["train_padded_tokens"] >= metrics["train_tokens"] > 0 and metrics["train_micro_batches"] >= 1
+    assert metrics["seconds_SampleRound"] > 0 and metrics["seconds_TrainStep"] > 0
+    assert sum(metrics[f"stop_{r}"] for r in ("answer", "invalid", "max_code_calls", "max_turns", "token_budget", "observation_over_budget", "prompt_over_budget")) == 9

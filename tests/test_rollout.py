@@ -294,3 +294,9 @@ def test_requests_map_back_to_their_branches(hermes):
     replies = [[SampledSequence(tuple(completion(hermes, f"\\boxed{{{r.question_index}{g}}}")[0]), tuple(completion(hermes, f"\\boxed{{{r.question_index}{g}}}")[1]), "stop") for g in r.group_indices] for r in requests]
     assert apply_samples(trajectories, requests, replies, hermes, CONFIG) == []
     assert [t.final_text for t in trajectories] == [f"\\boxed{{{q}{g}}}" for q in range(2) for g in range(4)]
+
+
+def test_zero_variance_groups_are_counted():
+    from jobs.rollout import zero_variance_groups
+
+    assert zero_variance_groups([(0, 1.0), (0, -1.0), (1, -1.0), (1, -1.0), (2, 1.0)]) == 2

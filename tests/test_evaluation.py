@@ -1,0 +1,93 @@
+"""Evaluation: estimators against hand-computed values, and Evaluate on the tiny model in both modes."""
+
+from __future__ import annotations
+
+import luigi
+import pyarrow as pa
+import pytest
+
+import pipeline.tasks
+from jobs.evaluation import mean_ci, pass_at_k, summarize_eval
+from jobs.runtime import protocol_for
+from jobs.sampling import ScriptedSampler
+from jobs.tables import TRAJECTORIES, table_from_rows
+from tests.helpers import scripted, tool_call_text
+from tests.test_pipeline import REPO, configure  # noqa: F401  (fixture)
+
+
+def test_pass_at_k_matches_hand_computed_values():
+    assert pass_at_k(4, 0, 1) == 0.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - 3 / 6)  # 1 - C(3,2)/C(4,2)
+    assert pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)
+    assert pass_at_k(4, 3, 2) == 1.0  # fewer wrong samples than k
+    assert pass_at_k(5, 2, 3) == pytest.approx(1 - 1 / 10)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 1, 5)
+
+
+def test_mean_and_interval():
+    mean, half = mean_ci([0.0, 1.0, 0.0, 1.0])
+    assert mean == 0.5 and half == pytest.approx(1.959964 * (1 / 3) ** 0.5 / 2)
+    assert mean_ci([0.3]) == (0.3, 0.0)
+
+
+def rows(correct_by_question):
+    out = []
+    for q, flags in enumerate(correct_by_question):
+        for g, ok in enumerate(flags):
+            out.append({"step": 0, "question_index": q, "group_index": g, "example_id": str(q), "data_source": "t", "answer": "1",
+                        "num_turns": 2 if ok else 1, "code_calls": 1 if ok else 0, "stop_reason": "answer", "final_text": "",
+                        "extracted_answer": "1" if ok else None, "valid_format": ok or g == 0, "correct": ok, "reward": 1.0 if ok else -1.0,
+                        "advantage": 0.0, "trajectory_tokens": 10, "sampled_tokens": 5})
+    return table_from_rows(out, TRAJECTORIES)
+
+
+def test_summary_counts_by_hand():
+    summary = summarize_eval(rows([[True, False, False, False], [False] * 4, [True, True, False, True]]), n=4)
+    assert summary["average_at_n"] == pytest.approx((0.25 + 0 + 0.75) / 3)
+    assert summary["pass_at_n"] == pytest.approx(2 / 3)
+    assert summary["pass_at_1"] == pytest.approx(summary["average_at_n"])  # pass@1 is the mean correctness
+    assert summary["pass_at_2"] == pytest.approx((0.5 + 0 + 1.0) / 3)
+    assert summary["pass_at_4"] == pytest.approx(summary["pass_at_n"])
+    assert summary["format"] == pytest.approx(5 / 12)  # the 4 correct, plus branch 0 of question 1
+    assert summary["stop_answer"] == 12 and summary["questions"] == 3
+    with pytest.raises(ValueError, match="exactly n=4"):
+        summarize_eval(rows([[True, False]]), n=4)
+
+
+@pytest.mark.parametrize("mode", ["retool", "text-only"])
+def test_evaluate_on_the_tiny_model(configure, monkeypatch, tmp_path, mode):  # noqa: F811
+    from jobs.data import MathExample, write_examples
+
+    dataset = tmp_path / "aime_like.jsonl"
+    write_examples([MathExample(str(i), f"What is {i} + {i}?", str(2 * i), "aime") for i in range(3)], dataset)
+    settings = configure(run="eval")
+    protocol = protocol_for(settings)
+
+    def choose(question, group, turn):
+        if turn == 0 and group == 0:
+            return tool_call_text("print(1 + 1)", protocol.tool_format)
+        return f"\\boxed{{{2 * question if group < 2 else -1}}}"
+
+    monkeypatch.setattr(pipeline.tasks, "get_sampler", lambda s, policy=None: ScriptedSampler(scripted(protocol_for(s), choose)))
+    task = pipeline.tasks.Evaluate(step=-1, dataset=str(dataset), n=3, mode=mode)
+    assert luigi.build([task], local_scheduler=True, workers=1, log_level="WARNING")
+    summary = pa.parquet.read_table(task.output().path).to_pylist()[0]
+    prompt = pa.parquet.read_table(folder_of(settings, mode) / "prompts.parquet").column("prompt_tokens")[0].as_py()
+    assert ("code_interpreter" in protocol.tokenizer.decode(prompt)) == (mode == "retool")  # text-only declares no tool
+    folder = folder_of(settings, mode)
+    assert task.output().path == str(folder / "summary.parquet")
+    assert not (settings.run_dir / "step=-001").exists() and not list(settings.run_dir.glob("step=*"))
+    assert summary["questions"] == 3 and summary["generations"] == 9 and summary["n"] == 3
+    if mode == "retool":  # branch 0 calls the tool, then answers correctly
+        assert summary["average_at_n"] == pytest.approx(2 / 3) and summary["code_calls"] == pytest.approx(1 / 3)
+        assert summary["stop_answer"] == 9
+    else:  # one turn, no tool: branch 0's call ends it
+        assert summary["average_at_n"] == pytest.approx(1 / 3) and summary["code_calls"] == 0
+        assert summary["stop_max_turns"] == 3 and summary["turns"] == 1
+    assert summary["pass_at_n"] == 1.0
+
+
+def folder_of(settings, mode):
+    return settings.run_dir / "eval" / "aime_like" / f"{mode}-n3" / "step=base"
