@@ -8,6 +8,7 @@ import luigi
 from jobs.engines import get_sampler
 from jobs.evaluation import EVAL_MODES, describe_eval
 from jobs.metrics import record_stage_seconds
+from jobs.report import make_report
 from jobs.runs import EvalSpec, policy_checkpoint, rollout_settings, step_examples, step_folder
 from jobs.runtime import evaluate_stage, metrics_stage, prepare_run, protocol_for, read_round_files, sandbox_for
 from jobs.stages import datums_table, describe, execute_round, prompts_table, replay, sample_round, score_step
@@ -173,3 +174,18 @@ class Evaluate(RunTask):
     def run(self):
         summary = evaluate_stage(read_table(self.input().path, TRAJECTORIES), self.evaluation, self.step, self.output().path)
         self.summary = f"{self.mode} on {self.dataset}: {describe_eval(summary)}"
+
+
+class Report(RunTask):
+    """Plots and a Markdown summary of the run up to training step `step`, under
+    runs/<run>/report/step=NNNN/ (`python -m jobs.report runs/NAME` does the same by hand)."""
+
+    def requires(self):
+        return TrainStep(step=self.step)
+
+    def output(self):
+        return luigi.LocalTarget(str(self.run_settings.run_dir / "report" / f"step={self.step:04d}" / "report.md"))
+
+    def run(self):
+        self.summary = f"plots and summary of {self.step + 1} steps"
+        make_report(self.run_settings.run_dir, self.output().path.rsplit("/", 1)[0])

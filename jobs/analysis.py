@@ -1,0 +1,107 @@
+"""Questions users ask of a run folder, as polars queries (lazy scans; each returns a DataFrame)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import polars as pl
+
+
+def _scan(run: str | Path, pattern: str) -> pl.LazyFrame | None:
+    paths = sorted(Path(run).glob(pattern))
+    return pl.scan_parquet(paths, hive_partitioning=True) if paths else None
+
+
+def _empty(**schema) -> pl.DataFrame:
+    return pl.DataFrame(schema={name: dtype for name, dtype in schema.items()})
+
+
+def metrics_by_step(run: str | Path) -> pl.DataFrame:
+    """One row per training step: the columns of step=NNNN/metrics.parquet."""
+    scan = _scan(run, "step=*/metrics.parquet")
+    return scan.collect().sort("step") if scan is not None else _empty(step=pl.Int64)
+
+
+def tool_success_by_round(run: str | Path) -> pl.DataFrame:
+    """Per step and round: calls run, and the share that ended ok, in error, or timed out."""
+    scan = _scan(run, "step=*/shard=*/round=*/observations.parquet")
+    if scan is None:
+        return _empty(step=pl.Int32, round=pl.Int32, calls=pl.UInt32)
+    return (
+        scan.filter(pl.col("call_id").is_not_null())
+        .group_by("step", "round")
+        .agg(
+            pl.len().alias("calls"),
+            (pl.col("exec_status") == "ok").mean().alias("ok_rate"),
+            (pl.col("exec_status") == "error").mean().alias("error_rate"),
+            (pl.col("exec_status") == "timeout").mean().alias("timeout_rate"),
+            pl.col("exec_seconds").mean().alias("seconds_mean"),
+        )
+        .sort("step", "round")
+        .collect()
+    )
+
+
+def sandbox_error_kinds(run: str | Path) -> pl.DataFrame:
+    """Failed calls by the exception named on the last line of their output (Timeout for timeouts)."""
+    scan = _scan(run, "step=*/shard=*/round=*/observations.parquet")
+    if scan is None:
+        return _empty(error=pl.String, calls=pl.UInt32)
+    return (
+        scan.filter(pl.col("exec_status").is_in(["error", "timeout"]))
+        .with_columns(
+            pl.when(pl.col("exec_status") == "timeout")
+            .then(pl.lit("Timeout"))
+            .otherwise(pl.col("tool_content").str.extract_all(r"\b([A-Z]\w*(?:Error|Exception|Exit|Interrupt))\b").list.last().fill_null("other"))
+            .alias("error")
+        )
+        .group_by("error")
+        .agg(pl.len().alias("calls"))
+        .sort("calls", "error", descending=[True, False])
+        .collect()
+    )
+
+
+def length_distributions(run: str | Path) -> pl.DataFrame:
+    """Per step: quantiles of trajectory length, of the model's own tokens, and of turns."""
+    scan = _scan(run, "step=*/trajectories.parquet")
+    if scan is None:
+        return _empty(step=pl.Int32)
+    columns = ("trajectory_tokens", "sampled_tokens", "num_turns")
+    return (
+        scan.group_by("step")
+        .agg(*[pl.col(c).quantile(q).alias(f"{c}_p{int(q * 100)}") for c in columns for q in (0.1, 0.5, 0.9)],
+             *[pl.col(c).max().alias(f"{c}_max") for c in columns])
+        .sort("step")
+        .collect()
+    )
+
+
+def solve_rates(run: str | Path) -> pl.DataFrame:
+    """Per question (example_id) and step: the share of its group that was correct."""
+    scan = _scan(run, "step=*/trajectories.parquet")
+    if scan is None:
+        return _empty(example_id=pl.String, step=pl.Int32, solve_rate=pl.Float64)
+    return scan.group_by("example_id", "step").agg(pl.col("correct").mean().alias("solve_rate"), pl.len().alias("samples")).sort("example_id", "step").collect()
+
+
+def worst_trajectories(run: str | Path, count: int = 10) -> pl.DataFrame:
+    """Wrong trajectories that cost the most tokens, with how they ended: the ones to read first."""
+    scan = _scan(run, "step=*/trajectories.parquet")
+    if scan is None:
+        return _empty(step=pl.Int32)
+    return (
+        scan.filter(~pl.col("correct"))
+        .sort(["trajectory_tokens", "step", "question_index", "group_index"], descending=[True, False, False, False])
+        .select("step", "question_index", "group_index", "example_id", "stop_reason", "num_turns", "code_calls", "trajectory_tokens", "extracted_answer", "answer", "final_text")
+        .head(count)
+        .collect()
+    )
+
+
+def eval_by_checkpoint(run: str | Path) -> pl.DataFrame:
+    """Every evaluation summary of the run: data set, mode, checkpoint step (-1 = base), metrics."""
+    paths = sorted(Path(run).glob("eval/*/*/step=*/summary.parquet"))
+    if not paths:
+        return _empty(dataset=pl.String, mode=pl.String, step=pl.Int64)
+    return pl.concat([pl.read_parquet(path) for path in paths], how="diagonal_relaxed").sort("dataset", "mode", "n", "step")

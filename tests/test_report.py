@@ -1,0 +1,62 @@
+"""Analysis queries and the report, on a real two-step run folder with an evaluation."""
+
+from __future__ import annotations
+
+import luigi
+import pytest
+from PIL import Image
+
+import pipeline.tasks
+from jobs.analysis import eval_by_checkpoint, length_distributions, metrics_by_step, sandbox_error_kinds, solve_rates, tool_success_by_round, worst_trajectories
+from jobs.report import PLOTS, make_report
+from jobs.runtime import protocol_for
+from jobs.sampling import ScriptedSampler
+from tests.helpers import scripted, tool_call_text
+from tests.test_pipeline import TRAIN, batch, configure  # noqa: F401  (fixture)
+
+
+@pytest.fixture
+def two_step_run(configure, monkeypatch):  # noqa: F811
+    """Two training steps, a report, and evaluations of the base model and of step 1. Branch 1
+    divides by zero, branch 2 prints, even branches answer correctly."""
+    settings = configure(run="report", **TRAIN)
+    protocol = protocol_for(settings)
+
+    def choose(question, group, turn, step):
+        if turn == 0 and group in (1, 2):
+            return tool_call_text("1 / 0" if group == 1 else "print(6 * 7)", protocol.tool_format)
+        examples = batch(settings, step) if step >= 0 else []
+        answer = examples[question].answer if question < len(examples) else "?"  # evaluations: any answer
+        return f"\\boxed{{{answer if group % 2 == 0 else -1}}}"
+
+    monkeypatch.setattr(pipeline.tasks, "get_sampler", lambda s, policy=None: ScriptedSampler(scripted(protocol_for(s), choose)))
+    tasks = [pipeline.tasks.Report(step=1), pipeline.tasks.Evaluate(step=-1, dataset=settings.train_data, n=2), pipeline.tasks.Evaluate(step=1, dataset=settings.train_data, n=2)]
+    assert luigi.build(tasks, local_scheduler=True, workers=1, log_level="WARNING")
+    return settings
+
+
+def test_analysis_answers_its_questions(two_step_run):
+    run = two_step_run.run_dir
+    metrics = metrics_by_step(run)
+    assert metrics["step"].to_list() == [0, 1] and {"reward_mean", "train_loss", "sandbox_ok_rate"} <= set(metrics.columns)
+    calls = tool_success_by_round(run)
+    assert calls["calls"].sum() == sum(metrics["sandbox_calls"].to_list())
+    errors = sandbox_error_kinds(run)
+    assert errors.to_dicts() == [{"error": "ZeroDivisionError", "calls": 6}]  # branch 1 of 3 questions, 2 steps
+    assert calls["ok_rate"].to_list() == [0.5, 0.5]
+    assert length_distributions(run)["step"].to_list() == [0, 1]
+    assert solve_rates(run)["samples"].sum() == 18
+    assert 0 < worst_trajectories(run, 4).height <= 4
+    evals = eval_by_checkpoint(run)
+    assert evals["step"].to_list() == [-1, 1] and set(evals["mode"].to_list()) == {"retool"}
+
+
+def test_report_writes_every_plot(two_step_run):
+    folder = two_step_run.run_dir / "report" / "step=0001"
+    report = (folder / "report.md").read_text()
+    for name in PLOTS:
+        with Image.open(folder / name) as image:
+            assert image.size[0] > 500 and image.size[1] > 300
+        assert f"({name})" in report
+    again = make_report(two_step_run.run_dir)  # the command-line form writes to runs/NAME/report
+    assert again.parent == two_step_run.run_dir / "report" and all((again.parent / name).exists() for name in PLOTS)
