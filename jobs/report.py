@@ -18,13 +18,15 @@ PLOTS = ("reward.png", "tool_use.png", "sandbox.png", "lengths.png", "eval.png")
 STYLES = (("o", "-"), ("s", "--"), ("^", ":"))  # lines that coincide stay distinguishable
 
 
-def _lines(path: Path, title: str, steps: list, series: dict[str, list], ylabel: str, xlabel: str = "training step") -> None:
+def _lines(path: Path, title: str, steps: list, series: dict[str, list], ylabel: str, xlabel: str = "training step", ylim: tuple | None = None) -> None:
     figure, axis = plt.subplots(figsize=(7, 4), layout="constrained")
     for (label, values), (marker, linestyle) in zip(series.items(), STYLES):
         axis.plot(steps, values, marker=marker, linestyle=linestyle, label=label)
     if not steps:
         axis.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=axis.transAxes)
     axis.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    if ylim:
+        axis.set_ylim(*ylim)
     if steps:
         axis.set_xticks(sorted(set(steps)))
         axis.legend(loc="best")
@@ -40,7 +42,7 @@ def _column(frame: pl.DataFrame, name: str) -> list:
 def plot_reward(metrics: pl.DataFrame, path: Path) -> None:
     steps = _column(metrics, "step")
     _lines(path, "Reward, accuracy and format", steps,
-           {"reward mean (±1)": _column(metrics, "reward_mean"), "correct": _column(metrics, "correct"), "valid \\boxed{} format": _column(metrics, "format")}, "value")
+           {"reward mean (±1)": _column(metrics, "reward_mean"), "correct": _column(metrics, "correct"), "valid \\boxed{} format": _column(metrics, "format")}, "value", ylim=(-1.05, 1.05))
 
 
 def plot_tool_use(metrics: pl.DataFrame, path: Path) -> None:

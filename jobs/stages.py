@@ -199,7 +199,7 @@ def describe(table: pa.Table) -> str:
     """A one-line summary of a stage's output, for the log."""
     names = set(table.schema.names)
     if not table.num_rows:
-        return "no rows (nothing live)"
+        return "no rows" + (" (no trajectory was live)" if "round" in names else "")
     if "completion_tokens" in names:
         tokens = sum(len(t) for t in table.column("completion_tokens").to_pylist())
         return f"{table.num_rows} sequences, {tokens} sampled tokens"

@@ -53,6 +53,13 @@ class RunTask(luigi.Task):
         inputs = luigi.task.flatten(self.requires())
         return super().complete() and all(t.complete() if t.folder == self.folder else t.output().exists() for t in inputs)
 
+    def label(self) -> str:
+        """The task as users name it: training tasks without the (empty) evaluation parameters."""
+        params = self.to_str_params(only_significant=True)
+        if not self.dataset:
+            params = {k: v for k, v in params.items() if k not in ("dataset", "n", "mode")}
+        return f"{self.task_family}({', '.join(f'{k}={v}' for k, v in params.items())})"
+
     def write(self, table) -> None:
         write_table_atomically(table, self.output().path)  # replaces a stale output in one rename
         self.summary = describe(table)
@@ -72,7 +79,7 @@ class RunTask(luigi.Task):
 def _report_stage(task: RunTask, seconds: float) -> None:
     """One line per finished stage: what it wrote, how long it took, and where."""
     record_stage_seconds(task.folder, task.task_id, task.task_family, seconds)
-    print(f"{task}: {getattr(task, 'summary', '')}, {seconds:.1f} s -> {task.output().path}", flush=True)
+    print(f"{task.label()}: {getattr(task, 'summary', '')}, {seconds:.1f} s -> {task.output().path}", flush=True)
 
 
 class Prompts(RunTask):
