@@ -106,6 +106,7 @@ class SampleRound(RunTask):
     def run(self):
         settings, policy = self.settings, policy_checkpoint(self.run_settings, self.step, self.evaluation)
         trajectories = self.state(self.shard, self.round)
+        self.set_status_message(f"sampling for {sum(not t.done for t in trajectories)} live trajectories")
         self.write(sample_round(trajectories, lambda: get_sampler(settings, policy), protocol_for(settings), settings.rollout_config(), self.step, self.round))
 
 
@@ -123,6 +124,7 @@ class ExecuteRound(RunTask):
         settings = self.settings
         trajectories = self.state(self.shard, self.round)
         samples = read_table(self.input().path, SAMPLES)
+        self.set_status_message(f"running the tool calls of {samples.num_rows} turns")
         self.write(execute_round(trajectories, samples, sandbox_for(settings), protocol_for(settings), settings.rollout_config(), self.step, self.round))
 
 
@@ -161,6 +163,7 @@ class TrainStep(RunTask):
         return self.target("checkpoint/_SUCCESS")
 
     def run(self):
+        self.set_status_message("training one PPO step")
         training = train_stage(self.settings, self.step, self.settings.device)
         self.summary = f"{describe_metrics(training)}\n  {metrics_stage(self.settings, self.step, training)}"
 
