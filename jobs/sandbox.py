@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import shutil
 import signal
@@ -16,14 +17,21 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from tqdm import tqdm
 
+log = logging.getLogger(__name__)
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
+# New network (no interfaces up), PID (the code sees only its own processes, and everything in it dies
+# with its first process) and mount namespaces for each call.
+UNSHARE = ("unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child")
+PIDS_CGROUP_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))
 # Names of the protocol's own wrapper tags: code output must not be able to fake them.
 PROTOCOL_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 _ZERO_WIDTH_SPACE = "\u200b"
@@ -41,10 +49,12 @@ class SandboxConfig:
     file_mb: int = 64  # RLIMIT_FSIZE: caps every file the code writes, its output files included
     output_tail_bytes: int = 8192  # how much of the end of stdout and of stderr is read back
     max_workers: int = 4  # calls running at the same time, across threads and event loops
+    max_processes: int = 64  # processes and threads of one call, counted by a pids cgroup
+    contain: bool = True  # use the namespaces and cgroups this machine allows (see Containment)
     python: str = sys.executable  # interpreter for the child (needs the math libraries)
 
     def __post_init__(self) -> None:
-        for name in ("timeout_seconds", "cpu_seconds", "file_mb", "output_tail_bytes", "max_workers"):
+        for name in ("timeout_seconds", "cpu_seconds", "file_mb", "output_tail_bytes", "max_workers", "max_processes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxConfig.{name} must be positive, got {getattr(self, name)}")
         if self.memory_mb < 0:
@@ -76,6 +86,50 @@ class SandboxStats:
         self.max_seconds = max(self.max_seconds, result.seconds)
 
 
+@dataclass(frozen=True)
+class Containment:
+    namespaces: bool  # network, PID and mount namespaces, read-only mounts, no capabilities
+    pids_cgroup: Path | None  # where per-call pids cgroups are made
+
+    def describe(self) -> str:
+        parts = ["namespaces (no network, own PIDs, read-only filesystem but its directory, no capabilities)" if self.namespaces else "NO namespaces: network, other processes and the filesystem are reachable"]
+        parts.append(f"pids cgroup under {self.pids_cgroup}" if self.pids_cgroup else "NO pids cgroup: a fork bomb is limited only by the timeout")
+        return "; ".join(parts)
+
+
+@lru_cache(maxsize=1)
+def probe_containment() -> Containment:
+    """What this machine lets the sandbox use; says loudly what it cannot."""
+    namespaces = False
+    if shutil.which("unshare") and os.geteuid() == 0:
+        namespaces = subprocess.run([*UNSHARE, "true"], capture_output=True).returncode == 0
+    pids_cgroup = None
+    if os.environ.get("RETOOL_SANDBOX_CGROUP"):  # a parent cgroup chosen by the operator (or a test's guard)
+        pids_cgroup = Path(os.environ["RETOOL_SANDBOX_CGROUP"])
+        pids_cgroup.mkdir(parents=True, exist_ok=True)
+    for root in () if pids_cgroup else PIDS_CGROUP_ROOTS:
+        # cgroup v1 mounts the pids controller on its own; v2 lists it among the enabled controllers
+        if (root / "cgroup.procs").exists() and (root.name == "pids" or "pids" in _read(root / "cgroup.subtree_control").split()):
+            folder = root / "retool-sandbox"
+            try:
+                folder.mkdir(exist_ok=True)
+                pids_cgroup = folder
+                break
+            except OSError:
+                continue
+    containment = Containment(namespaces, pids_cgroup)
+    if not (namespaces and pids_cgroup):
+        log.warning("sandbox containment is partial on this machine: %s", containment.describe())
+    return containment
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 def _read_tail(path: Path, limit: int) -> str:
     size = path.stat().st_size
     with path.open("rb") as handle:
@@ -103,6 +157,7 @@ class Sandbox:
     def __post_init__(self) -> None:
         self._slots = threading.BoundedSemaphore(self.config.max_workers)
         self._stats_lock = threading.Lock()
+        self.containment = probe_containment() if self.config.contain else Containment(False, None)
 
     def _environment(self, workdir: str) -> dict[str, str]:
         environment = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "MPLBACKEND": "Agg"}
@@ -129,12 +184,22 @@ class Sandbox:
             return list(tqdm(pool.map(self.run_code, codes), total=len(codes), desc="running tool calls", unit="call", leave=False, disable=None))
 
     def _run(self, code: str) -> ExecutionResult:
-        config = self.config
+        config, containment = self.config, self.containment
         workdir = tempfile.mkdtemp(prefix="retool-sandbox-")
+        cgroup = containment.pids_cgroup / uuid.uuid4().hex if containment.pids_cgroup else None
         try:
             code_file, out_file, err_file = (Path(workdir, name) for name in ("cell.py", ".stdout", ".stderr"))
             code_file.write_text(code, encoding="utf-8")
-            argv = [config.python, "-I", str(RUNNER), str(code_file), str(config.cpu_seconds), str(config.memory_mb * 2**20), str(config.file_mb * 2**20)]
+            if cgroup:
+                cgroup.mkdir()
+                (cgroup / "pids.max").write_text(str(config.max_processes))
+            settings = {
+                "code_file": str(code_file), "workdir": workdir, "contained": containment.namespaces,
+                "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup else None, "cpu_seconds": config.cpu_seconds,
+                "memory_bytes": config.memory_mb * 2**20, "file_bytes": config.file_mb * 2**20,
+            }
+            Path(workdir, ".settings.json").write_text(json.dumps(settings))
+            argv = [*(UNSHARE if containment.namespaces else ()), config.python, "-I", str(RUNNER), str(Path(workdir, ".settings.json"))]
             started = time.perf_counter()
             with out_file.open("wb") as stdout, err_file.open("wb") as stderr:
                 child = subprocess.Popen(
@@ -147,7 +212,10 @@ class Sandbox:
                     exit_code = None
                 finally:
                     _kill_group(child)  # also reaps children the code left running
+                    if cgroup:
+                        _empty_cgroup(cgroup)  # and those that left the process group
             seconds = time.perf_counter() - started
+            exit_code = _child_status(Path(workdir, ".status"), exit_code)
             output_limited = max(out_file.stat().st_size, err_file.stat().st_size) >= config.file_mb * 2**20
             stdout_text = _read_tail(out_file, config.output_tail_bytes)
             stderr_text = _read_tail(err_file, config.output_tail_bytes)
@@ -176,6 +244,33 @@ def _classify(exit_code: int | None, output_limited: bool, config: SandboxConfig
     if exit_code < 0:
         return "error", f"Process killed by signal {signal.Signals(-exit_code).name}"
     return ("ok", "") if exit_code == 0 else ("error", "")
+
+
+def _child_status(status_file: Path, exit_code: int | None) -> int | None:
+    """How the code's process ended, as the runner recorded it (negative for a signal); the
+    runner's own exit code when it recorded nothing (None after a timeout stays None)."""
+    if exit_code is None or not status_file.exists():
+        return exit_code
+    ended = json.loads(status_file.read_text())
+    return -ended["signal"] if "signal" in ended else ended["exit"]
+
+
+def _empty_cgroup(cgroup: Path) -> None:
+    """Kills every process still in the call's cgroup, then removes it."""
+    for _ in range(100):
+        pids = [int(pid) for pid in _read(cgroup / "cgroup.procs").split()]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+    try:
+        cgroup.rmdir()
+    except OSError:
+        log.warning("could not remove sandbox cgroup %s", cgroup)
 
 
 def _kill_group(child: subprocess.Popen) -> None:

@@ -1,14 +1,58 @@
-"""Runs inside the sandbox child: applies limits, then executes the model's code as a notebook cell.
+"""Runs inside the sandbox child: contains itself, applies limits, then executes the model's code as a
+notebook cell.
 
-Usage (by jobs.sandbox only): python -I sandbox_runner.py CODE_FILE CPU_SECONDS MEMORY_BYTES FILE_BYTES
-It imports nothing from the project, so it works in an isolated interpreter.
+Usage (by jobs.sandbox only): python -I sandbox_runner.py SETTINGS_JSON
+It imports nothing from the project, so it works in an isolated interpreter. When jobs.sandbox
+started it in fresh network, PID and mount namespaces (as root), it first joins its pids cgroup,
+turns every mount read-only except its working directory, and drops all capabilities, so the code
+can neither undo that nor reach outside.
 """
 
 import ast
+import ctypes
+import json
 import linecache
+import os
 import resource
 import sys
 import traceback
+
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
+PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
+CAPABILITY_VERSION_3 = 0x20080522
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def join_cgroup(procs_file: str) -> None:
+    with open(procs_file, "w") as handle:
+        handle.write(str(os.getpid()))
+
+
+def make_mounts_read_only(writable: str) -> None:
+    """Every mount becomes read-only in this (private) mount namespace, but a bind of `writable`."""
+    libc = _libc()
+    if libc.mount(writable.encode(), writable.encode(), None, MS_BIND | MS_REC, None) != 0:
+        raise OSError(ctypes.get_errno(), f"cannot bind {writable}")
+    os.chdir(writable)  # the old working directory still points into the mount below the bind
+    with open("/proc/self/mountinfo") as handle:
+        targets = [line.split()[4] for line in handle]
+    for target in targets:
+        if target != writable:
+            libc.mount(None, target.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)  # some refuse: fine
+
+
+def drop_capabilities() -> None:
+    libc = _libc()
+    for capability in range(64):
+        libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0)
+    header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)
+    empty = (ctypes.c_uint32 * 6)()
+    if libc.capset(header, empty) != 0:
+        raise OSError(ctypes.get_errno(), "cannot drop capabilities")
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
 
 
 def apply_limits(cpu_seconds: int, memory_bytes: int, file_bytes: int) -> None:
@@ -17,6 +61,7 @@ def apply_limits(cpu_seconds: int, memory_bytes: int, file_bytes: int) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
 
 
 def with_trailing_print(tree: ast.Module) -> ast.Module:
@@ -39,11 +84,31 @@ def with_trailing_print(tree: ast.Module) -> ast.Module:
 
 
 def main() -> int:
-    code_file, cpu_seconds, memory_bytes, file_bytes = sys.argv[1], *map(int, sys.argv[2:5])
-    apply_limits(cpu_seconds, memory_bytes, file_bytes)
+    """Contains the process, then runs the cell in a child and records how that child ended in
+    .status (the first process of a PID namespace cannot be killed by a signal from inside it, and
+    unshare does not pass signals on)."""
+    with open(sys.argv[1], encoding="utf-8") as handle:
+        settings = json.load(handle)
+    if settings["cgroup_procs"]:
+        join_cgroup(settings["cgroup_procs"])
+    if settings["contained"]:
+        make_mounts_read_only(settings["workdir"])
+        drop_capabilities()
+    child = os.fork()
+    if child == 0:
+        os._exit(run_cell(settings))
+    _, status = os.waitpid(child, 0)
+    ended = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"exit": os.WEXITSTATUS(status)}
+    with open(os.path.join(settings["workdir"], ".status"), "w") as handle:
+        json.dump(ended, handle)
+    return ended.get("exit", 1)
+
+
+def run_cell(settings: dict) -> int:
+    apply_limits(settings["cpu_seconds"], settings["memory_bytes"], settings["file_bytes"])
     sys.stdout.reconfigure(errors="backslashreplace")
     sys.stderr.reconfigure(errors="backslashreplace")
-    with open(code_file, encoding="utf-8") as handle:
+    with open(settings["code_file"], encoding="utf-8") as handle:
         source = handle.read()
     linecache.cache["<code>"] = (len(source), None, source.splitlines(keepends=True), "<code>")  # source lines in tracebacks
     try:
@@ -63,7 +128,11 @@ def main() -> int:
     except BaseException as error:  # the traceback is the observation; skip this runner's own frame
         traceback.print_exception(type(error), error, error.__traceback__.tb_next)
         return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
