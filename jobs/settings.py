@@ -31,7 +31,7 @@ class RunSettings:
     tool_format: str = "auto"  # xml | hermes | auto (detected from the template)
     use_tools: bool = True  # false: no tool is declared (a text-only run)
     device: str = "cuda"  # cuda | cpu
-    sampler: str = "auto"  # vllm | hf | auto (vllm on a GPU, else the faster one on this machine)
+    sampler: str = "auto"  # vllm | hf | auto (vllm on a GPU, else the faster one here) | scripted:MODULE:FUNCTION
     train_data: str = "data/synthetic_train.jsonl"
     data_seed: int = 0  # shuffle of the training set
     questions_per_step: int = 8
@@ -73,8 +73,8 @@ class RunSettings:
             raise SettingsError(f"setting shards={self.shards} exceeds questions_per_step={self.questions_per_step}: some shards would be empty")
         if self.device not in ("cuda", "cpu"):
             raise SettingsError(f"setting device must be cuda or cpu, got {self.device!r}")
-        if self.sampler not in ("auto", "vllm", "hf"):
-            raise SettingsError(f"setting sampler must be auto, vllm or hf, got {self.sampler!r}")
+        if self.sampler not in ("auto", "vllm", "hf") and not (self.sampler.startswith("scripted:") and self.sampler.count(":") == 2):
+            raise SettingsError(f"setting sampler must be auto, vllm, hf or scripted:MODULE:FUNCTION, got {self.sampler!r}")
         try:
             self.rollout_config()
             self.sandbox_config()

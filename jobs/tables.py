@@ -116,6 +116,8 @@ def write_table_atomically(table: pa.Table, path: str | Path) -> None:
     """Writes next to the target, then renames: a killed writer leaves no file that looks complete."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a writer that was killed
+        stale.unlink(missing_ok=True)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         pq.write_table(table, temporary)

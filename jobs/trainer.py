@@ -215,8 +215,9 @@ def restore_rng(path: Path) -> None:
 def save_checkpoint(folder: Path, model, optimizer, metrics: StepMetrics, config: TrainerConfig, tokenizer_source: Path) -> None:
     """Writes the whole checkpoint beside its final place, marks it _SUCCESS, then renames it: a
     killed write leaves no folder that looks complete."""
+    for stale in folder.parent.glob(f".{folder.name}.tmp-*"):  # left by a writer that was killed
+        shutil.rmtree(stale, ignore_errors=True)
     temporary = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(temporary, ignore_errors=True)
     temporary.mkdir(parents=True)
     if config.lora_rank:
         model.save_pretrained(temporary / "adapter")
