@@ -168,7 +168,11 @@ class Sandbox:
     def run_code(self, code: str) -> ExecutionResult:
         """Runs one call; safe to call from many threads (at most max_workers run at once)."""
         with self._slots:
-            result = self._run(code)
+            try:
+                result = self._run(code)
+            except Exception as error:  # the sandbox itself failed: only this call is affected
+                log.exception("sandbox call failed")
+                result = ExecutionResult("error", "", f"SandboxError: the sandbox could not run this code ({type(error).__name__}: {error})\n", 0.0, None)
         with self._stats_lock:
             self.stats.record(result)
         return result

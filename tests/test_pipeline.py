@@ -37,6 +37,8 @@ def configure(tmp_path, tiny_model_dir):
     """Sets the [retool] section for one test (restored afterwards); returns the settings."""
     config = luigi.configuration.get_config()
     saved = dict(config.items("retool")) if config.has_section("retool") else {}
+    saved_delay = config.get("scheduler", "retry_delay", "30")
+    config.set("scheduler", "retry_delay", "1")  # failing tests retry quickly
 
     def apply(**overrides):
         if config.has_section("retool"):
@@ -47,6 +49,7 @@ def configure(tmp_path, tiny_model_dir):
         return current_settings()
 
     yield apply
+    config.set("scheduler", "retry_delay", saved_delay)
     config.remove_section("retool")
     config.add_section("retool")
     for key, value in saved.items():

@@ -1,0 +1,60 @@
+"""Bad inputs get one clear error naming the input, and leave existing outputs as they were."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import jobs.sandbox
+from jobs.sandbox import Sandbox
+from jobs.tables import SAMPLES, TableError, read_table
+from tests.test_pipeline import build, configure, step_dir, tool_policy  # noqa: F401  (fixture)
+
+
+def test_truncated_parquet_in_the_run_folder_names_the_file(configure, monkeypatch, caplog):  # noqa: F811
+    settings = configure(run="truncated")
+    assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
+    samples = step_dir(settings, 0) / "shard=00/round=01/samples.parquet"
+    samples.write_bytes(samples.read_bytes()[:100])
+    (step_dir(settings, 0) / "shard=00/round=01/observations.parquet").unlink()
+    untouched = {p: p.read_bytes() for p in step_dir(settings, 0).rglob("*.parquet") if p != samples}
+    assert not build(settings, 0, tool_policy(settings, 0), monkeypatch)
+    assert f"{samples}: not a readable Parquet file" in caplog.text and "delete it and re-run its stage" in caplog.text
+    assert all(path.read_bytes() == data for path, data in untouched.items())
+
+
+def test_foreign_parquet_names_the_missing_columns(tmp_path):
+    path = tmp_path / "samples.parquet"
+    pq.write_table(pa.table({"step": [0], "something": ["else"]}), path)
+    with pytest.raises(TableError, match=f"{path}: missing columns .*'round'"):
+        read_table(path, SAMPLES)
+
+
+def test_a_sandbox_failure_affects_only_its_call(monkeypatch):
+    sandbox = Sandbox()
+    real_popen = jobs.sandbox.subprocess.Popen
+    calls = []
+
+    def flaky_popen(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise OSError("no more processes")
+        return real_popen(*args, **kwargs)
+
+    monkeypatch.setattr(jobs.sandbox.subprocess, "Popen", flaky_popen)
+    results = [sandbox.run_code(f"print({i})") for i in range(3)]
+    assert [r.status for r in results] == ["ok", "error", "ok"]
+    assert "SandboxError: the sandbox could not run this code (OSError: no more processes)" in sandbox.observation(results[1])
+
+
+def test_checkpoint_without_success_marker_is_trained_again(configure, monkeypatch):  # noqa: F811
+    from tests.test_pipeline import TRAIN, build_train
+
+    settings = configure(run="marker", **TRAIN)
+    assert build_train(settings, 0, tool_policy(settings), monkeypatch)
+    checkpoint = step_dir(settings, 0) / "checkpoint"
+    weights = (checkpoint / "adapter/adapter_model.safetensors").read_bytes()
+    (checkpoint / "_SUCCESS").unlink()  # as if the writer died before finishing
+    assert build_train(settings, 0, tool_policy(settings), monkeypatch)
+    assert (checkpoint / "_SUCCESS").exists() and (checkpoint / "adapter/adapter_model.safetensors").read_bytes() == weights
