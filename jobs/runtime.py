@@ -54,6 +54,7 @@ def metrics_stage(settings: RunSettings, step: int, training: StepMetrics) -> st
     folder = step_folder(settings, step)
     observations = [read_table(path, OBSERVATIONS) for path in sorted(folder.glob("shard=*/round=*/observations.parquet"))]
     metrics = step_metrics(step, read_table(folder / "trajectories.parquet", TRAJECTORIES), pa.concat_tables(observations), training, stage_seconds(folder))
+    metrics["sandbox_containment"] = sandbox_for(settings).containment.describe()
     write_table_atomically(metrics_table(metrics), folder / "metrics.parquet")
     export_tensorboard(settings.run_dir / "tensorboard", metrics)
     return describe_step(metrics)

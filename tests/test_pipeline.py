@@ -254,4 +254,5 @@ def test_train_step_writes_the_step_metrics(configure, monkeypatch):
     assert metrics["train_datums"] == pa.parquet.read_table(step_dir(settings, 0) / "datums.parquet").num_rows > 0
     assert metrics["train_padded_tokens"] >= metrics["train_tokens"] > 0 and metrics["train_micro_batches"] >= 1
     assert metrics["seconds_SampleRound"] > 0 and metrics["seconds_TrainStep"] > 0
+    assert metrics["sandbox_containment"].startswith(("namespaces", "NO namespaces"))
     assert sum(metrics[f"stop_{r}"] for r in ("answer", "invalid", "max_code_calls", "max_turns", "token_budget", "observation_over_budget", "prompt_over_budget")) == 9
