@@ -137,7 +137,7 @@ def bench_trainer(_: Path) -> list[tuple[str, str]]:
     rng = random.Random(0)
     datums = []
     for index in range(6):
-        length = rng.randint(200, 400)
+        length = rng.randint(150, 300)
         tokens = [rng.randint(100, 40000) for _ in range(length)]
         mask = [position > length // 2 for position in range(length - 1)]
         datums.append(Datum(0, index, tokens[:-1], tokens[1:], [-1.0 if m else 0.0 for m in mask], [(0.5 if index % 2 else -0.5) if m else 0.0 for m in mask], mask))
@@ -159,21 +159,26 @@ def bench_trainer(_: Path) -> list[tuple[str, str]]:
 
 
 def bench_sampler(workdir: Path) -> list[tuple[str, str]]:
+    """Each sampler on the default model: directly, and (hf) through the SampleRound stage."""
     from jobs.engines import get_sampler
+    from jobs.vllm_sampler import vllm_available
     from pipeline.tasks import SampleRound
 
-    settings = replace(SCRIPTED, runs_dir=str(workdir), run="sampler", model="default", sampler="hf", questions_per_step=2, group_size=8, max_assistant_tokens=64)
+    settings = replace(SCRIPTED, runs_dir=str(workdir), run="sampler", model="default", sampler="hf", questions_per_step=2, group_size=8, max_assistant_tokens=32)
     protocol = protocol_for(settings)
-    examples = step_examples(settings, 0, None)
-    requests = [SampleRequest(q, tuple(range(8)), tuple(protocol.build_prompt(protocol.initial_messages(e.question))), 64, seed=q) for q, e in enumerate(examples)]
-    sampler = get_sampler(settings)
-    started = time.perf_counter()
-    replies = sampler.sample(requests, SamplingSettings(stop_token_ids=protocol.stop_token_ids))
-    direct = sum(len(s.tokens) for reply in replies for s in reply) / (time.perf_counter() - started)
-    rows = [("hf sampler, 2 prompts x 8 samples x <= 64 tokens, direct", f"{direct:.1f} tokens/s")]
+    requests = [SampleRequest(q, tuple(range(8)), tuple(protocol.build_prompt(protocol.initial_messages(e.question))), 32, seed=q) for q, e in enumerate(step_examples(settings, 0, None))]
+    rows = []
+    for kind in ("hf", "vllm") if vllm_available() else ("hf",):
+        loading = time.perf_counter()
+        sampler = get_sampler(replace(settings, sampler=kind))
+        loaded = time.perf_counter() - loading
+        started = time.perf_counter()
+        replies = sampler.sample(requests, SamplingSettings(stop_token_ids=protocol.stop_token_ids))
+        tokens = sum(len(s.tokens) for reply in replies for s in reply)
+        rows.append((f"{kind}: 2 prompts x 8 samples x <= 32 tokens, direct", f"{tokens / (time.perf_counter() - started):.1f} tokens/s (engine start {loaded:.1f} s)"))
     stage_seconds = _luigi_build(settings, SampleRound(step=0, round=0))
     samples = sum(len(t) for t in pq.read_table(workdir / "sampler/step=0000/shard=00/round=00/samples.parquet").column("completion_tokens").to_pylist())
-    rows.append(("hf sampler through SampleRound (incl. Prompts and scheduling)", f"{samples / stage_seconds:.1f} tokens/s"))
+    rows.append(("hf through SampleRound (Prompts and scheduling included)", f"{samples / stage_seconds:.1f} tokens/s"))
     return rows
 
 

@@ -8,7 +8,7 @@ from jobs.sampling import Sampler
 from jobs.settings import RunSettings, SettingsError, resolve_model
 from jobs.vllm_sampler import vllm_available
 
-_engines: dict[tuple[str, str, str], Sampler] = {}
+_engines: dict[tuple[str, str, str, str], Sampler] = {}
 
 
 def sampler_kind(settings: RunSettings) -> str:
@@ -28,7 +28,7 @@ def get_sampler(settings: RunSettings, policy: Path | None = None) -> Sampler:
     """The process's engine, switched to `policy` (a checkpoint folder; None = the base model)."""
     model_dir = resolve_model(settings.model)
     kind = sampler_kind(settings)
-    key = (kind, str(model_dir), settings.device)
+    key = (kind, settings.sampler, str(model_dir), settings.device)
     if key not in _engines:
         _engines.clear()  # one engine per process: free the old one before loading another
         if kind == "scripted":

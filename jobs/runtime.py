@@ -23,6 +23,8 @@ def prepare_run(settings: RunSettings) -> None:
     """Once per process and run: fail early on settings this machine cannot run, then freeze them."""
     check_machine(settings)
     freeze(settings)
+    if settings.use_tools:
+        sandbox_for(settings)  # probes the containment once, before task processes are forked
 
 
 @lru_cache(maxsize=4)

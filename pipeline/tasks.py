@@ -50,6 +50,7 @@ class RunTask(luigi.Task):
         complete too, so deleting one stage's output re-runs it and everything downstream. Other
         steps (the policy) count by their own output: no walk back through every earlier step."""
         prepare_run(self.run_settings)  # validates the machine and freezes or checks config.json
+        protocol_for(self.settings)  # loaded once here, so that task processes forked by --workers K inherit it
         inputs = luigi.task.flatten(self.requires())
         return super().complete() and all(t.complete() if t.folder == self.folder else t.output().exists() for t in inputs)
 
