@@ -16,6 +16,8 @@ import subprocess
 import sys
 import tempfile
 import threading
+import queue
+import select
 import time
 import uuid
 from collections.abc import Sequence
@@ -28,6 +30,7 @@ from tqdm import tqdm
 
 log = logging.getLogger(__name__)
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
+FORK_SERVER = Path(__file__).with_name("sandbox_forkserver.py")
 # New network (no interfaces up), PID (the code sees only its own processes, and everything in it dies
 # with its first process) and mount namespaces for each call.
 UNSHARE = ("unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child")
@@ -51,6 +54,7 @@ class SandboxConfig:
     max_workers: int = 4  # calls running at the same time, across threads and event loops
     max_processes: int = 64  # processes and threads of one call, counted by a pids cgroup
     contain: bool = True  # use the namespaces and cgroups this machine allows (see Containment)
+    prewarmed: bool = True  # fork each call from a server that imported the math libraries (needs full containment)
     python: str = sys.executable  # interpreter for the child (needs the math libraries)
 
     def __post_init__(self) -> None:
@@ -158,6 +162,10 @@ class Sandbox:
         self._slots = threading.BoundedSemaphore(self.config.max_workers)
         self._stats_lock = threading.Lock()
         self.containment = probe_containment() if self.config.contain else Containment(False, None)
+        # Fork servers, one per concurrent call; a server's timeouts rely on the pids cgroup.
+        self.prewarmed = self.config.prewarmed and self.containment.namespaces and self.containment.pids_cgroup is not None
+        self._servers: queue.SimpleQueue = queue.SimpleQueue()
+        self._servers_owner = os.getpid()  # a forked process must not share its parent's servers
 
     def _environment(self, workdir: str) -> dict[str, str]:
         environment = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "MPLBACKEND": "Agg"}
@@ -194,6 +202,8 @@ class Sandbox:
         try:
             code_file, out_file, err_file = (Path(workdir, name) for name in ("cell.py", ".stdout", ".stderr"))
             code_file.write_text(code, encoding="utf-8")
+            out_file.touch()
+            err_file.touch()
             if cgroup:
                 cgroup.mkdir()
                 (cgroup / "pids.max").write_text(str(config.max_processes))
@@ -201,23 +211,16 @@ class Sandbox:
                 "code_file": str(code_file), "workdir": workdir, "contained": containment.namespaces,
                 "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup else None, "cpu_seconds": config.cpu_seconds,
                 "memory_bytes": config.memory_mb * 2**20, "file_bytes": config.file_mb * 2**20,
+                "environment": self._environment(workdir),
             }
-            Path(workdir, ".settings.json").write_text(json.dumps(settings))
-            argv = [*(UNSHARE if containment.namespaces else ()), config.python, "-I", str(RUNNER), str(Path(workdir, ".settings.json"))]
+            settings_file = Path(workdir, ".settings.json")
+            settings_file.write_text(json.dumps(settings))
             started = time.perf_counter()
-            with out_file.open("wb") as stdout, err_file.open("wb") as stderr:
-                child = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, cwd=workdir,
-                    env=self._environment(workdir), close_fds=True, start_new_session=True,
-                )
-                try:
-                    exit_code: int | None = child.wait(timeout=config.timeout_seconds)
-                except subprocess.TimeoutExpired:
-                    exit_code = None
-                finally:
-                    _kill_group(child)  # also reaps children the code left running
-                    if cgroup:
-                        _empty_cgroup(cgroup)  # and those that left the process group
+            try:
+                exit_code = self._run_prewarmed(settings_file, cgroup) if self.prewarmed else self._run_cold(settings_file, workdir)
+            finally:
+                if cgroup:
+                    _empty_cgroup(cgroup)  # kills whatever is left, wherever it went
             seconds = time.perf_counter() - started
             exit_code = _child_status(Path(workdir, ".status"), exit_code)
             output_limited = max(out_file.stat().st_size, err_file.stat().st_size) >= config.file_mb * 2**20
@@ -229,6 +232,66 @@ class Sandbox:
         if note:
             stderr_text = f"{stderr_text.rstrip(chr(10))}\n{note}\n".lstrip("\n")
         return ExecutionResult(status, stdout_text, stderr_text, seconds, exit_code)
+
+    def _run_cold(self, settings_file: Path, workdir: str) -> int | None:
+        """A new interpreter for the call (in new namespaces when available); None after a timeout."""
+        argv = [*(UNSHARE if self.containment.namespaces else ()), self.config.python, "-I", str(RUNNER), str(settings_file)]
+        with open(Path(workdir, ".stdout"), "ab") as stdout, open(Path(workdir, ".stderr"), "ab") as stderr:
+            child = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, cwd=workdir,
+                env=self._environment(workdir), close_fds=True, start_new_session=True,
+            )
+            try:
+                return child.wait(timeout=self.config.timeout_seconds)
+            except subprocess.TimeoutExpired:
+                return None
+            finally:
+                _kill_group(child)  # also reaps children the code left running
+
+    def _run_prewarmed(self, settings_file: Path, cgroup: Path) -> int | None:
+        """A child forked from a pre-warmed server; on a timeout the call's cgroup is emptied, which
+        ends it wherever its processes went. None after a timeout."""
+        if os.getpid() != self._servers_owner:
+            self._servers, self._servers_owner = queue.SimpleQueue(), os.getpid()
+        try:
+            server = self._servers.get_nowait()
+        except queue.Empty:
+            server = self._start_server()
+        try:
+            server.stdin.write(json.dumps({"settings": str(settings_file)}) + "\n")
+            server.stdin.flush()
+            ready, _, _ = select.select([server.stdout], [], [], self.config.timeout_seconds)
+            timed_out = not ready
+            while not ready:  # kill until the server reports the call over (it may join the cgroup late)
+                _empty_cgroup(cgroup, remove=False)
+                ready, _, _ = select.select([server.stdout], [], [], 0.2)
+            if server.stdout.readline() != "done\n":
+                raise RuntimeError("the sandbox fork server stopped")
+        except Exception:
+            _kill_group(server)
+            raise
+        self._servers.put(server)
+        return None if timed_out else 0
+
+    def _start_server(self) -> subprocess.Popen:
+        """A new fork server; returns once it has imported its libraries (not counted in any call)."""
+        home = tempfile.gettempdir()
+        server = subprocess.Popen(
+            ["unshare", "--net", self.config.python, "-I", str(FORK_SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            cwd="/", env=self._environment(home), close_fds=True, start_new_session=True, text=True,
+        )
+        if server.stdout.readline() != "ready\n":
+            _kill_group(server)
+            raise RuntimeError("the sandbox fork server did not start")
+        return server
+
+    def close(self) -> None:
+        """Stops the fork servers (they also stop when this process ends: their input closes)."""
+        while True:
+            try:
+                _kill_group(self._servers.get_nowait())
+            except queue.Empty:
+                return
 
     def observation(self, result: ExecutionResult) -> str:
         """The tool message content the model sees for one call."""
@@ -259,7 +322,7 @@ def _child_status(status_file: Path, exit_code: int | None) -> int | None:
     return -ended["signal"] if "signal" in ended else ended["exit"]
 
 
-def _empty_cgroup(cgroup: Path) -> None:
+def _empty_cgroup(cgroup: Path, remove: bool = True) -> None:
     """Kills every process still in the call's cgroup, then removes it."""
     for _ in range(100):
         pids = [int(pid) for pid in _read(cgroup / "cgroup.procs").split()]
@@ -271,6 +334,8 @@ def _empty_cgroup(cgroup: Path) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.01)
+    if not remove:
+        return
     try:
         cgroup.rmdir()
     except OSError:

@@ -94,14 +94,29 @@ def main() -> int:
     if settings["contained"]:
         make_mounts_read_only(settings["workdir"])
         drop_capabilities()
+    return run_contained(settings)
+
+
+def run_contained(settings: dict) -> int:
+    """Runs the cell in a child and records how that child ended in .status; returns its exit code."""
     child = os.fork()
     if child == 0:
+        if settings["contained"]:
+            os.setsid()  # a group of its own: killpg(0) in the code reaches only the code's processes
+        redirect_output(settings["workdir"])
         os._exit(run_cell(settings))
     _, status = os.waitpid(child, 0)
     ended = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"exit": os.WEXITSTATUS(status)}
     with open(os.path.join(settings["workdir"], ".status"), "w") as handle:
         json.dump(ended, handle)
     return ended.get("exit", 1)
+
+
+def redirect_output(workdir: str) -> None:
+    """Standard input from /dev/null, output appended to the call's .stdout and .stderr files."""
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    for fd, name in ((1, ".stdout"), (2, ".stderr")):
+        os.dup2(os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), fd)
 
 
 def run_cell(settings: dict) -> int:
@@ -116,8 +131,13 @@ def run_cell(settings: dict) -> int:
     except SyntaxError as error:
         traceback.print_exception(type(error), error, None)
         return 1
-    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     del sys.argv[1:]
+    exit_code = execute(tree)
+    return exit_code if flush_streams() else exit_code or 1
+
+
+def execute(tree: ast.Module) -> int:
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
         exec(compile(tree, "<code>", "exec"), namespace)
     except SystemExit as stop:
@@ -128,11 +148,22 @@ def run_cell(settings: dict) -> int:
     except BaseException as error:  # the traceback is the observation; skip this runner's own frame
         traceback.print_exception(type(error), error, error.__traceback__.tb_next)
         return 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
     return 0
 
+
+def flush_streams() -> bool:
+    """Flushes by hand (os._exit follows); says so on stderr when the code closed a stream."""
+    flushed = True
+    for name, stream in (("output", sys.stdout), ("error", sys.stderr)):
+        try:
+            stream.flush()
+        except (OSError, ValueError) as error:
+            flushed = False
+            try:
+                os.write(2, f"OSError: the code closed its standard {name}; what it printed there is lost ({error})\n".encode())
+            except OSError:
+                pass
+    return flushed
 
 if __name__ == "__main__":
     sys.exit(main())

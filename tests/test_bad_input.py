@@ -33,16 +33,16 @@ def test_foreign_parquet_names_the_missing_columns(tmp_path):
 
 def test_a_sandbox_failure_affects_only_its_call(monkeypatch):
     sandbox = Sandbox()
-    real_popen = jobs.sandbox.subprocess.Popen
+    real_mkdtemp = jobs.sandbox.tempfile.mkdtemp
     calls = []
 
-    def flaky_popen(*args, **kwargs):
+    def flaky_mkdtemp(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise OSError("no more processes")
-        return real_popen(*args, **kwargs)
+        return real_mkdtemp(*args, **kwargs)
 
-    monkeypatch.setattr(jobs.sandbox.subprocess, "Popen", flaky_popen)
+    monkeypatch.setattr(jobs.sandbox.tempfile, "mkdtemp", flaky_mkdtemp)
     results = [sandbox.run_code(f"print({i})") for i in range(3)]
     assert [r.status for r in results] == ["ok", "error", "ok"]
     assert "SandboxError: the sandbox could not run this code (OSError: no more processes)" in sandbox.observation(results[1])

@@ -40,7 +40,8 @@ def guard():
 def run_guarded(guard, code: str, **config) -> ExecutionResult:
     helper = (
         "import json, sys\nfrom dataclasses import asdict\nfrom jobs.sandbox import Sandbox, SandboxConfig\n"
-        f"result = Sandbox(SandboxConfig(**{config!r})).run_code(sys.stdin.read())\nprint(json.dumps(asdict(result)))"
+        f"sandbox = Sandbox(SandboxConfig(**{config!r}))\nresult = sandbox.run_code(sys.stdin.read())\nsandbox.close()\n"
+        "print(json.dumps(asdict(result)))"
     )
     command = [sys.executable, "-c", helper]
     environment = dict(os.environ)
@@ -134,7 +135,7 @@ def test_child_sleeping_past_the_timeout(guard):
 
 def test_closing_stdout(guard):
     result = run_guarded(guard, "import os\nos.close(1)\nprint('lost')")
-    assert result.status == "error" and "Bad file descriptor" in result.stderr
+    assert result.status == "error" and "closed its standard output" in result.stderr
 
 
 def test_special_tokens_and_fake_tool_response(guard, tokenizer):

@@ -164,3 +164,14 @@ def test_bad_config_is_rejected():
         SandboxConfig(max_workers=0)
     with pytest.raises(ValueError, match="timeout_seconds"):
         SandboxConfig(timeout_seconds=0)
+
+
+def test_prewarmed_and_cold_calls_agree():
+    codes = ["print(6 * 7)", "x = 1\n1 / 0", "import sympy\nsympy.factorint(360)", "import os\nprint(sorted(os.environ)[:2])", "import sys\nsys.exit(3)"]
+    cold, warm = Sandbox(SandboxConfig(prewarmed=False)), Sandbox(SandboxConfig(prewarmed=True))
+    try:
+        for code in codes:
+            a, b = cold.run_code(code), warm.run_code(code)
+            assert (a.status, a.stdout, a.stderr, a.exit_code) == (b.status, b.stdout, b.stderr, b.exit_code), code
+    finally:
+        warm.close()
