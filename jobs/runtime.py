@@ -11,7 +11,7 @@ from jobs.evaluation import summarize_eval
 from jobs.metrics import describe_step, export_tensorboard, metrics_table, stage_seconds, step_metrics
 from jobs.protocol import ChatProtocol, load_tokenizer
 from jobs.runs import EvalSpec, step_folder
-from jobs.sandbox import Sandbox
+from jobs.sandbox import Sandbox, SandboxConfig
 from jobs.settings import RunSettings, check_machine, freeze, resolve_model
 from jobs.stages import RoundFiles
 from jobs.tables import OBSERVATIONS, SAMPLES, TRAJECTORIES, read_table, write_table_atomically
@@ -33,9 +33,14 @@ def protocol_for(settings: RunSettings) -> ChatProtocol:
     return ChatProtocol(tokenizer, tool_format=settings.tool_format, chat_template=settings.chat_template or None, tools=settings.use_tools)
 
 
-@lru_cache(maxsize=4)
 def sandbox_for(settings: RunSettings) -> Sandbox:
-    return Sandbox(settings.sandbox_config(), forbidden_strings=protocol_for(settings).forbidden_strings)
+    return _sandbox(settings.sandbox_config(), protocol_for(settings).forbidden_strings)
+
+
+@lru_cache(maxsize=4)
+def _sandbox(config: SandboxConfig, forbidden_strings: tuple[str, ...]) -> Sandbox:
+    """One per sandbox configuration, so its pre-warmed servers serve every task of the process."""
+    return Sandbox(config, forbidden_strings=forbidden_strings)
 
 
 def round_dir(step_folder: Path, shard: int, round_index: int) -> Path:

@@ -165,7 +165,7 @@ class Sandbox:
         # Fork servers, one per concurrent call; a server's timeouts rely on the pids cgroup.
         self.prewarmed = self.config.prewarmed and self.containment.namespaces and self.containment.pids_cgroup is not None
         self._servers: queue.SimpleQueue = queue.SimpleQueue()
-        self._servers_owner = os.getpid()  # a forked process must not share its parent's servers
+        self._servers_owner = os.getpid()  # only this process uses the servers (see _run)
 
     def _environment(self, workdir: str) -> dict[str, str]:
         environment = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "MPLBACKEND": "Agg"}
@@ -217,7 +217,10 @@ class Sandbox:
             settings_file.write_text(json.dumps(settings))
             started = time.perf_counter()
             try:
-                exit_code = self._run_prewarmed(settings_file, cgroup) if self.prewarmed else self._run_cold(settings_file, workdir)
+                # Fork servers belong to the process that made this sandbox: a process forked from it
+                # (Luigi's --workers K runs each task in one) lives too briefly to pay their start.
+                warm = self.prewarmed and os.getpid() == self._servers_owner
+                exit_code = self._run_prewarmed(settings_file, cgroup) if warm else self._run_cold(settings_file, workdir)
             finally:
                 if cgroup:
                     _empty_cgroup(cgroup)  # kills whatever is left, wherever it went
@@ -251,8 +254,6 @@ class Sandbox:
     def _run_prewarmed(self, settings_file: Path, cgroup: Path) -> int | None:
         """A child forked from a pre-warmed server; on a timeout the call's cgroup is emptied, which
         ends it wherever its processes went. None after a timeout."""
-        if os.getpid() != self._servers_owner:
-            self._servers, self._servers_owner = queue.SimpleQueue(), os.getpid()
         try:
             server = self._servers.get_nowait()
         except queue.Empty:

@@ -125,9 +125,18 @@ def _micro_batch_tensors(datums: list[Datum], batch: MicroBatch, weights: list[f
     }
 
 
-def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+def token_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, targets: torch.Tensor, where: torch.Tensor | None = None) -> torch.Tensor:
+    """Logprob of each target; with `where`, only at those positions (0 elsewhere): the output layer
+    and its softmax over the whole vocabulary then run on the loss tokens alone, which on a small
+    model is most of the step's cost."""
+    if where is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT injects LoRA in place
+    hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    logits = causal_lm.lm_head(hidden[where]).float()
+    selected = torch.log_softmax(logits, dim=-1).gather(-1, targets[where].unsqueeze(-1)).squeeze(-1)
+    return torch.zeros(targets.shape, dtype=selected.dtype, device=selected.device).masked_scatter(where, selected)
 
 
 def ppo_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, config: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +162,7 @@ def accumulate_gradients(model, datums: list[Datum], batches: list[MicroBatch], 
     totals = torch.zeros(5, dtype=torch.float64, device=device)
     for batch in batches[rank::world]:
         tensors = _micro_batch_tensors(datums, batch, weights, device)
-        logprobs = token_logprobs(model, tensors["input_ids"], tensors["attention_mask"], tensors["targets"])
+        logprobs = token_logprobs(model, tensors["input_ids"], tensors["attention_mask"], tensors["targets"], where=tensors["weights"] > 0)
         token_loss, clipped = ppo_token_loss(logprobs, tensors["old_logprobs"], tensors["advantages"], config)
         (token_loss * tensors["weights"]).sum().backward()
         mask = tensors["weights"] > 0
