@@ -52,7 +52,7 @@ class RunTask(luigi.Task):
         prepare_run(self.run_settings)  # validates the machine and freezes or checks config.json
         protocol_for(self.settings)  # loaded once here, so that task processes forked by --workers K inherit it
         inputs = luigi.task.flatten(self.requires())
-        return super().complete() and all(t.complete() if t.folder == self.folder else t.output().exists() for t in inputs)
+        return super().complete() and all(t.complete() if t.folder == self.folder else all(o.exists() for o in luigi.task.flatten(t.output())) for t in inputs)
 
     def label(self) -> str:
         """The task as users name it: training tasks without the (empty) evaluation parameters."""
@@ -80,7 +80,8 @@ class RunTask(luigi.Task):
 def _report_stage(task: RunTask, seconds: float) -> None:
     """One line per finished stage: what it wrote, how long it took, and where."""
     record_stage_seconds(task.folder, task.task_id, task.task_family, seconds)
-    print(f"{task.label()}: {getattr(task, 'summary', '')}, {seconds:.1f} s -> {task.output().path}", flush=True)
+    where = luigi.task.flatten(task.output())[0].path
+    print(f"{task.label()}: {getattr(task, 'summary', '')}, {seconds:.1f} s -> {where}", flush=True)
 
 
 class Prompts(RunTask):
@@ -161,7 +162,9 @@ class TrainStep(RunTask):
         return [self.clone(BuildDatums)] + ([TrainStep(step=self.step - 1)] if self.step > 0 else [])
 
     def output(self):
-        return self.target("checkpoint/_SUCCESS")
+        """The checkpoint's marker and the step's metrics: a run killed between the two trains the
+        step again (deterministically) rather than leaving the metrics out."""
+        return [self.target("checkpoint/_SUCCESS"), self.target("metrics.parquet")]
 
     def run(self):
         self.set_status_message("training one PPO step")
