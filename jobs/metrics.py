@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from jobs.atomic import write_text_atomically
 from jobs.rollout import STOP_REASONS, zero_variance_groups
 from jobs.trainer import StepMetrics
 
@@ -17,9 +18,7 @@ TIMINGS = "_timings"  # per-stage wall times, one small JSON file per finished t
 
 
 def record_stage_seconds(step_folder: Path, task_id: str, stage: str, seconds: float) -> None:
-    folder = step_folder / TIMINGS
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / f"{task_id}.json").write_text(json.dumps({"stage": stage, "seconds": seconds}))
+    write_text_atomically(step_folder / TIMINGS / f"{task_id}.json", json.dumps({"stage": stage, "seconds": seconds}))
 
 
 def stage_seconds(step_folder: Path) -> dict[str, float]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 
 import matplotlib
@@ -13,6 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import polars as pl  # noqa: E402
 
 from jobs.analysis import eval_by_checkpoint, length_distributions, metrics_by_step, sandbox_error_kinds, worst_trajectories  # noqa: E402
+from jobs.atomic import write_text_atomically  # noqa: E402
 
 PLOTS = ("reward.png", "tool_use.png", "sandbox.png", "lengths.png", "eval.png")
 STYLES = (("o", "-"), ("s", "--"), ("^", ":"))  # lines that coincide stay distinguishable
@@ -139,9 +139,7 @@ def make_report(run: str | Path, out: str | Path | None = None) -> Path:
         "## Worst trajectories to read\n", _markdown_table(worst_trajectories(run, 5), ["step", "question_index", "group_index", "stop_reason", "trajectory_tokens", "extracted_answer", "answer"]),
     ]
     report = out / "report.md"
-    temporary = report.with_name(f".report.md.tmp-{os.getpid()}")
-    temporary.write_text("\n".join(sections))
-    temporary.replace(report)
+    write_text_atomically(report, "\n".join(sections))
     return report
 
 

@@ -34,6 +34,10 @@ FORK_SERVER = Path(__file__).with_name("sandbox_forkserver.py")
 # New network (no interfaces up), PID (the code sees only its own processes, and everything in it dies
 # with its first process) and mount namespaces for each call.
 UNSHARE = ("unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child")
+# The cold child dies with the process that started it (util-linux; without it, a killed pipeline can
+# leave a sleeping call behind).
+DIE_WITH_PARENT = ("setpriv", "--pdeathsig", "KILL") if shutil.which("setpriv") else ()
+WORKDIR_PREFIX = "retool-sandbox-"  # then the pid of the process that runs the call
 PIDS_CGROUP_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))
 # Names of the protocol's own wrapper tags: code output must not be able to fake them.
 PROTOCOL_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -122,9 +126,33 @@ def probe_containment() -> Containment:
             except OSError:
                 continue
     containment = Containment(namespaces, pids_cgroup)
+    _remove_leftovers_of_ended_processes(pids_cgroup)
     if not (namespaces and pids_cgroup):
         log.warning("sandbox containment is partial on this machine: %s", containment.describe())
     return containment
+
+
+def _remove_leftovers_of_ended_processes(pids_cgroup: Path | None) -> None:
+    """Working directories and cgroups are named after the process that made them; those of a
+    process that no longer runs (a killed pipeline) are removed."""
+    for workdir in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*-*"):
+        if not _is_running(workdir.name.removeprefix(WORKDIR_PREFIX).split("-")[0]):
+            shutil.rmtree(workdir, ignore_errors=True)
+    for cgroup in pids_cgroup.glob("*-*") if pids_cgroup else ():
+        if cgroup.is_dir() and not _is_running(cgroup.name.split("-")[0]):
+            _empty_cgroup(cgroup)
+
+
+def _is_running(pid: str) -> bool:
+    if not pid.isdigit():
+        return True  # not named by this module: leave it alone
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _read(path: Path) -> str:
@@ -197,8 +225,8 @@ class Sandbox:
 
     def _run(self, code: str) -> ExecutionResult:
         config, containment = self.config, self.containment
-        workdir = tempfile.mkdtemp(prefix="retool-sandbox-")
-        cgroup = containment.pids_cgroup / uuid.uuid4().hex if containment.pids_cgroup else None
+        workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
+        cgroup = containment.pids_cgroup / f"{os.getpid()}-{uuid.uuid4().hex}" if containment.pids_cgroup else None
         try:
             code_file, out_file, err_file = (Path(workdir, name) for name in ("cell.py", ".stdout", ".stderr"))
             code_file.write_text(code, encoding="utf-8")
@@ -238,7 +266,7 @@ class Sandbox:
 
     def _run_cold(self, settings_file: Path, workdir: str) -> int | None:
         """A new interpreter for the call (in new namespaces when available); None after a timeout."""
-        argv = [*(UNSHARE if self.containment.namespaces else ()), self.config.python, "-I", str(RUNNER), str(settings_file)]
+        argv = [*DIE_WITH_PARENT, *(UNSHARE if self.containment.namespaces else ()), self.config.python, "-I", str(RUNNER), str(settings_file)]
         with open(Path(workdir, ".stdout"), "ab") as stdout, open(Path(workdir, ".stderr"), "ab") as stderr:
             child = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, cwd=workdir,

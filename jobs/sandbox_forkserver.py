@@ -13,6 +13,7 @@ itself never runs model code, so every call starts from the same clean, pre-impo
 import ctypes
 import json
 import os
+import select
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves this folder out
@@ -23,25 +24,45 @@ MS_REC, MS_PRIVATE = 16384, 1 << 18
 PREWARMED = ("sympy", "numpy", "math", "fractions", "itertools", "functools", "collections", "decimal")
 
 
-def contain_and_run(settings: dict) -> None:
+def contain_and_run(settings: dict, server: int) -> None:
     """In the forked child: new namespaces, then the cold runner's containment and cell."""
     libc = ctypes.CDLL(None, use_errno=True)
+    runner.die_with_parent(server)
     os.setsid()  # out of the server's process group and session
     if settings["cgroup_procs"]:
         runner.join_cgroup(settings["cgroup_procs"])
     if libc.unshare(CLONE_NEWNS | CLONE_NEWPID) != 0:  # the server already has its own, empty network namespace
         os._exit(125)
     libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None)  # mounts below stay in this namespace
-    init = os.fork()  # the first process of the new PID namespace
+    outer = os.getpid()
+    init = os.fork()  # the first process of the new PID namespace; everything in it dies with it
     if init:
         _, status = os.waitpid(init, 0)
         os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+    libc.prctl(runner.PR_SET_PDEATHSIG, 9, 0, 0, 0)  # getppid() is 0 across the namespace border
+    if not os.path.exists(f"/proc/{outer}"):
+        os._exit(137)
     libc.mount(b"proc", b"/proc", b"proc", 0, None)  # a /proc that shows only this namespace
     runner.make_mounts_read_only(settings["workdir"])
     runner.drop_capabilities()
     os.environ.clear()
     os.environ.update(settings["environment"])
     os._exit(runner.run_contained(settings))
+
+
+def _wait_unless_abandoned(child: int) -> None:
+    """Waits for the call; if the pipeline ends meanwhile (stdin closes), kills it and exits. (No
+    PR_SET_PDEATHSIG here: it follows the parent thread, and servers start from short-lived threads.)"""
+    ended = os.pidfd_open(child)
+    try:
+        readable, _, _ = select.select([sys.stdin, ended], [], [])
+    finally:
+        os.close(ended)
+    if ended not in readable:
+        os.kill(child, 9)  # the call's namespace dies with it: its first process has a parent-death signal
+        os.waitpid(child, 0)
+        sys.exit(0)
+    os.waitpid(child, 0)
 
 
 def serve() -> None:
@@ -53,13 +74,14 @@ def serve() -> None:
         settings_path = json.loads(line)["settings"]
         with open(settings_path, encoding="utf-8") as handle:
             settings = json.load(handle)
+        server = os.getpid()
         child = os.fork()
         if child == 0:
             try:
-                contain_and_run(settings)
+                contain_and_run(settings, server)
             finally:
                 os._exit(126)
-        os.waitpid(child, 0)
+        _wait_unless_abandoned(child)
         sys.stdout.write("done\n")
         sys.stdout.flush()
 

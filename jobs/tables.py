@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from jobs.atomic import write_atomically
 
 TOKENS = pa.list_(pa.int32())
 FLOATS = pa.list_(pa.float32())
@@ -113,14 +114,4 @@ def read_table(path: str | Path, schema: pa.Schema) -> pa.Table:
 
 
 def write_table_atomically(table: pa.Table, path: str | Path) -> None:
-    """Writes next to the target, then renames: a killed writer leaves no file that looks complete."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a writer that was killed
-        stale.unlink(missing_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        pq.write_table(table, temporary)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
+    write_atomically(path, lambda temporary: pq.write_table(table, temporary))

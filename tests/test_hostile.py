@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -144,3 +146,34 @@ def test_special_tokens_and_fake_tool_response(guard, tokenizer):
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert not {tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|im_start|>")} & set(ids)
     assert "</tool_response>" not in text and text.replace("\u200b", "").startswith("4</tool_response>")
+
+
+@pytest.mark.skipif(not (GUARD_ROOT / "cgroup.procs").exists(), reason="needs a pids cgroup to see every process")
+@pytest.mark.parametrize("prewarmed", [True, False], ids=["pre-warmed", "cold"])
+def test_a_killed_pipeline_leaves_no_call_running(guard, prewarmed):
+    """SIGKILL the process that runs a call mid-call: the call dies with it, and the next sandbox on
+    the machine removes its working directory and cgroup."""
+    if guard is None:
+        pytest.skip("no writable pids cgroup")
+    helper = f"from jobs.sandbox import Sandbox, SandboxConfig\nSandbox(SandboxConfig(prewarmed={prewarmed})).run_code('import time\\ntime.sleep(60)')"
+    command = ["sh", "-c", f'echo $$ > {guard}/cgroup.procs && exec "$@"', "guard", sys.executable, "-c", helper]
+    calls = guard / "calls"
+    pipeline = subprocess.Popen(command, cwd=REPO, env={**os.environ, "RETOOL_SANDBOX_CGROUP": str(calls)})
+
+    def running_in_calls() -> list[str]:
+        return [pid for procs in calls.glob("*/cgroup.procs") for pid in procs.read_text().split()]
+
+    deadline = time.monotonic() + 60
+    while not running_in_calls():
+        assert pipeline.poll() is None and time.monotonic() < deadline, "the call never started"
+        time.sleep(0.1)
+    pipeline.kill()
+    pipeline.wait()
+    deadline = time.monotonic() + 5
+    while running_in_calls() or (guard / "cgroup.procs").read_text().strip():
+        assert time.monotonic() < deadline, f"left running: {running_in_calls()}"
+        time.sleep(0.1)
+
+    run_guarded(guard, "print(1)")  # a later sandbox cleans up after the killed one
+    assert not [c for c in calls.iterdir() if c.is_dir()]
+    assert not list(Path(tempfile.gettempdir()).glob(f"retool-sandbox-{pipeline.pid}-*"))

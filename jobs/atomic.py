@@ -1,0 +1,26 @@
+"""Publishing files in one rename: a writer killed at any moment leaves either the old file, the new
+one, or a hidden temporary that the next writer removes, never a file that looks complete."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+
+def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
+    """Calls write(temporary) on a hidden file beside `path`, then renames it onto `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # left by a writer that was killed
+        stale.unlink(missing_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def write_text_atomically(path: str | Path, text: str) -> None:
+    write_atomically(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
