@@ -8,15 +8,14 @@ from jobs.sampling import ScriptedSampler
 from tests.helpers import scripted, tool_call_text
 
 
-def slow_tools(settings):
-    """Branch (q + g) % 3 runs that many slow tool calls, then answers; even branches correctly.
-    Sampling costs 4 ms a token and each call sleeps 0.3 s, so every stage takes a while."""
+def branching_tools(settings):
+    """Branch (q + g) % 3 runs that many tool calls, then answers; even branches correctly."""
     protocol = protocol_for(settings)
 
     def choose(question, group, turn, step):
         if turn < (question + group) % 3:
-            return tool_call_text(f"import time\ntime.sleep(0.3)\nprint({question} * 10 + {turn})", protocol.tool_format)
+            return tool_call_text(f"print({question} * 10 + {turn})", protocol.tool_format)
         answer = step_examples(settings, step, None)[question].answer if step >= 0 else "?"
         return f"So the result is \\boxed{{{answer if group % 2 == 0 else -1}}}."
 
-    return ScriptedSampler(scripted(protocol, choose), seconds_per_token=0.004)
+    return ScriptedSampler(scripted(protocol, choose))

@@ -1,9 +1,9 @@
-"""Kill -9 at many points of a two-step run, restart, and finish with the rows of an uninterrupted run."""
+"""Kill -9 a two-step run at every stage, re-run the same command each time, and finish with the rows
+of an uninterrupted run; no half-written output and no process is ever left behind."""
 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -17,11 +17,12 @@ from jobs.protocol import BUNDLED_TEMPLATE
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
+COMMAND = ["--module", "pipeline", "TrainStep", "--step", "1"]
 
 
 def write_config(path: Path, runs: Path, model: Path, run: str) -> Path:
     settings = {
-        "run": run, "runs_dir": runs, "model": model, "device": "cpu", "sampler": "scripted:tests.policies:slow_tools",
+        "run": run, "runs_dir": runs, "model": model, "device": "cpu", "sampler": "scripted:tests.policies:branching_tools",
         "chat_template": BUNDLED_TEMPLATE, "train_data": REPO / "data/synthetic_eval.jsonl", "questions_per_step": 3,
         "group_size": 3, "max_code_calls": 2, "max_assistant_turns": 3, "max_trajectory_tokens": 900, "max_assistant_tokens": 96,
         "max_tool_response_tokens": 48, "trainer_max_tokens": 1024, "lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3,
@@ -31,54 +32,78 @@ def write_config(path: Path, runs: Path, model: Path, run: str) -> Path:
     return path
 
 
-def start(config: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "luigi", "--module", "pipeline", "TrainStep", "--step", "1"], cwd=REPO,
-        env={**os.environ, "LUIGI_CONFIG_PATH": str(config)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+def run(config: Path, *launcher: str, **environment: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", *launcher, *COMMAND], cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "LUIGI_CONFIG_PATH": str(config), "PYTHONDONTWRITEBYTECODE": "1", **environment},
     )
 
 
-def outputs(run: Path) -> dict[str, object]:
+def outputs(run_folder: Path) -> dict[str, object]:
     """Every result file of the run, comparable across runs (timings and wall times left out)."""
     found = {}
-    for path in sorted(run.rglob("*.parquet")):
+    for path in sorted(run_folder.rglob("*.parquet")):
         if path.name == "metrics.parquet" or path.name.startswith("."):
             continue
         table = pq.read_table(path)
-        found[str(path.relative_to(run))] = table.drop_columns(["exec_seconds"]) if "exec_seconds" in table.column_names else table
-    for path in sorted(run.rglob("adapter_model.safetensors")):
-        found[str(path.relative_to(run))] = load_file(path)
+        found[str(path.relative_to(run_folder))] = table.drop_columns(["exec_seconds"]) if "exec_seconds" in table.column_names else table
+    for path in sorted(run_folder.rglob("adapter_model.safetensors")):
+        found[str(path.relative_to(run_folder))] = load_file(path)
     return found
 
 
-def assert_nothing_half_written(run: Path) -> None:
-    for path in run.rglob("*.parquet"):
+def assert_nothing_half_written(run_folder: Path) -> None:
+    for path in run_folder.rglob("*.parquet"):
         if not path.name.startswith("."):
             pq.read_table(path)  # a complete file, or none at all
-    for checkpoint in run.rglob("checkpoint"):
+    for checkpoint in run_folder.rglob("checkpoint"):
         assert (checkpoint / "_SUCCESS").exists(), f"{checkpoint} looks complete but is not"
 
 
-def test_killed_runs_finish_with_the_rows_of_an_uninterrupted_run(tiny_model_dir, tmp_path):
-    runs = tmp_path / "runs"
-    reference = start(write_config(tmp_path / "reference.cfg", runs, tiny_model_dir, "reference"))
-    began = time.monotonic()
-    assert reference.wait(timeout=600) == 0, reference.stderr.read().decode()[-3000:]
-    duration = time.monotonic() - began
+def assert_no_process_left(killed: int) -> None:
+    """The killed run's sandbox servers end with it (they were its children)."""
+    def orphans() -> list[int]:
+        found = []
+        for status in Path("/proc").glob("[0-9]*/status"):
+            try:
+                fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+                cmdline = (status.parent / "cmdline").read_bytes()
+            except (OSError, ValueError):
+                continue
+            if b"sandbox_forkserver" in cmdline and int(fields["PPid"]) != os.getpid():
+                found.append(int(status.parent.name))
+        return found
 
-    config = write_config(tmp_path / "faulty.cfg", runs, tiny_model_dir, "faulty")
-    interrupted = []
-    for fraction in (0.2, 0.35, 0.5, 0.65, 0.8, 0.9):
-        process = start(config)
-        time.sleep(duration * fraction)
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            interrupted.append(fraction)
-        process.wait()
+    deadline = time.monotonic() + 10
+    while orphans():
+        assert time.monotonic() < deadline, f"sandbox processes outlived the killed run {killed}: {orphans()}"
+        time.sleep(0.1)
+
+
+def test_a_run_killed_at_every_stage_finishes_with_the_rows_of_an_uninterrupted_run(tiny_model_dir, tmp_path):
+    runs = tmp_path / "runs"
+    reference = run(write_config(tmp_path / "reference.cfg", runs, tiny_model_dir, "reference"), "luigi")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    config, kill_points = write_config(tmp_path / "faulty.cfg", runs, tiny_model_dir, "faulty"), tmp_path / "kill-points.txt"
+    for attempt in range(60):
+        done = run(config, "tests.kill_points", KILL_POINTS=str(kill_points), KILL_RUN=str(runs / "faulty"))
+        if done.returncode == 0:
+            break
+        assert done.returncode == -9, done.stderr[-3000:]
         assert_nothing_half_written(runs / "faulty")
-    final = start(config)
-    assert final.wait(timeout=600) == 0, final.stderr.read().decode()[-3000:]
-    assert len(interrupted) >= 3  # the kills landed in the middle of the run
+        assert_no_process_left(attempt)
+    else:
+        pytest.fail("the run never finished")
+
+    points = kill_points.read_text().splitlines()
+    for step in ("step=0000", "step=0001"):
+        stage_points = [p for p in points if f"/{step}/" in p or p.endswith(f"/{step}/checkpoint")]
+        for name in ("prompts", "samples", "observations", "trajectories", "datums", "metrics"):
+            assert any(p.startswith("publishing") and p.endswith(f"{name}.parquet") for p in stage_points), (step, name, points)
+        for kind in ("publishing", "writing"):
+            assert f"{kind} {runs / 'faulty' / step / 'checkpoint'}" in points, (step, kind, points)
+    assert [p for p in points if p.startswith("training")] == ["training step 0", "training step 1"]
 
     expected, actual = outputs(runs / "reference"), outputs(runs / "faulty")
     assert expected.keys() == actual.keys()
