@@ -226,7 +226,11 @@ class Sandbox:
     def _run(self, code: str) -> ExecutionResult:
         config, containment = self.config, self.containment
         workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
-        cgroup = containment.pids_cgroup / f"{os.getpid()}-{uuid.uuid4().hex}" if containment.pids_cgroup else None
+        # Fork servers belong to the process that made this sandbox: a process forked from it
+        # (Luigi's --workers K runs each task in one) lives too briefly to pay their start.
+        warm = self.prewarmed and os.getpid() == self._servers_owner
+        # A cold call gets a pids cgroup of its own; a warm one is born into its server's.
+        cgroup = containment.pids_cgroup / f"{os.getpid()}-{uuid.uuid4().hex}" if containment.pids_cgroup and not warm else None
         try:
             code_file, out_file, err_file = (Path(workdir, name) for name in ("cell.py", ".stdout", ".stderr"))
             code_file.write_text(code, encoding="utf-8")
@@ -245,10 +249,7 @@ class Sandbox:
             settings_file.write_text(json.dumps(settings))
             started = time.perf_counter()
             try:
-                # Fork servers belong to the process that made this sandbox: a process forked from it
-                # (Luigi's --workers K runs each task in one) lives too briefly to pay their start.
-                warm = self.prewarmed and os.getpid() == self._servers_owner
-                exit_code = self._run_prewarmed(settings_file, cgroup) if warm else self._run_cold(settings_file, workdir)
+                exit_code = self._run_prewarmed(settings_file) if warm else self._run_cold(settings_file, workdir)
             finally:
                 if cgroup:
                     _empty_cgroup(cgroup)  # kills whatever is left, wherever it went
@@ -279,38 +280,46 @@ class Sandbox:
             finally:
                 _kill_group(child)  # also reaps children the code left running
 
-    def _run_prewarmed(self, settings_file: Path, cgroup: Path) -> int | None:
-        """A child forked from a pre-warmed server; on a timeout the call's cgroup is emptied, which
-        ends it wherever its processes went. None after a timeout."""
+    def _run_prewarmed(self, settings_file: Path) -> int | None:
+        """A child forked from a pre-warmed server, into the server's pids cgroup; after the call
+        (or its timeout) everything in that cgroup but the server is killed, wherever it went.
+        None after a timeout."""
         try:
             server = self._servers.get_nowait()
         except queue.Empty:
             server = self._start_server()
         try:
-            server.stdin.write(json.dumps({"settings": str(settings_file)}) + "\n")
-            server.stdin.flush()
-            ready, _, _ = select.select([server.stdout], [], [], self.config.timeout_seconds)
+            server.process.stdin.write(json.dumps({"settings": str(settings_file)}) + "\n")
+            server.process.stdin.flush()
+            ready, _, _ = select.select([server.process.stdout], [], [], self.config.timeout_seconds)
             timed_out = not ready
-            while not ready:  # kill until the server reports the call over (it may join the cgroup late)
-                _empty_cgroup(cgroup, remove=False)
-                ready, _, _ = select.select([server.stdout], [], [], 0.2)
-            if server.stdout.readline() != "done\n":
+            while not ready:  # kill until the server reports the call over
+                _empty_cgroup(server.cgroup, remove=False, spare=server.process.pid)
+                ready, _, _ = select.select([server.process.stdout], [], [], 0.2)
+            reply = server.process.stdout.readline().split()
+            if len(reply) != 2 or reply[0] != "done":
                 raise RuntimeError("the sandbox fork server stopped")
+            _empty_cgroup(server.cgroup, remove=False, spare=server.process.pid)  # what the code left running
         except Exception:
-            _kill_group(server)
+            server.stop()
             raise
         self._servers.put(server)
-        return None if timed_out else 0
+        return None if timed_out else int(reply[1])
 
-    def _start_server(self) -> subprocess.Popen:
-        """A new fork server; returns once it has imported its libraries (not counted in any call)."""
-        home = tempfile.gettempdir()
-        server = subprocess.Popen(
-            ["unshare", "--net", self.config.python, "-I", str(FORK_SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            cwd="/", env=self._environment(home), close_fds=True, start_new_session=True, text=True,
+    def _start_server(self) -> "_ForkServer":
+        """A new fork server in a pids cgroup of its own; returns once it has imported its
+        libraries (not counted in any call)."""
+        cgroup = self.containment.pids_cgroup / f"{os.getpid()}-server-{uuid.uuid4().hex}"
+        cgroup.mkdir()
+        (cgroup / "pids.max").write_text(str(self.config.max_processes + 1))  # the server, and one call
+        process = subprocess.Popen(
+            ["unshare", "--net", self.config.python, "-I", str(FORK_SERVER), str(cgroup / "cgroup.procs")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            cwd="/", env=self._environment(tempfile.gettempdir()), close_fds=True, start_new_session=True, text=True,
         )
-        if server.stdout.readline() != "ready\n":
-            _kill_group(server)
+        server = _ForkServer(process, cgroup)
+        if process.stdout.readline() != "ready\n":
+            server.stop()
             raise RuntimeError("the sandbox fork server did not start")
         return server
 
@@ -318,7 +327,7 @@ class Sandbox:
         """Stops the fork servers (they also stop when this process ends: their input closes)."""
         while True:
             try:
-                _kill_group(self._servers.get_nowait())
+                self._servers.get_nowait().stop()
             except queue.Empty:
                 return
 
@@ -351,10 +360,20 @@ def _child_status(status_file: Path, exit_code: int | None) -> int | None:
     return -ended["signal"] if "signal" in ended else ended["exit"]
 
 
-def _empty_cgroup(cgroup: Path, remove: bool = True) -> None:
-    """Kills every process still in the call's cgroup, then removes it."""
+@dataclass
+class _ForkServer:
+    process: subprocess.Popen  # python -I sandbox_forkserver.py, in a network namespace of its own
+    cgroup: Path  # holds the server and the call it runs
+
+    def stop(self) -> None:
+        _kill_group(self.process)
+        _empty_cgroup(self.cgroup)
+
+
+def _empty_cgroup(cgroup: Path, remove: bool = True, spare: int | None = None) -> None:
+    """Kills every process in the cgroup (but `spare`), then removes it."""
     for _ in range(100):
-        pids = [int(pid) for pid in _read(cgroup / "cgroup.procs").split()]
+        pids = [int(pid) for pid in _read(cgroup / "cgroup.procs").split() if int(pid) != spare]
         if not pids:
             break
         for pid in pids:

@@ -18,19 +18,12 @@ import sys
 import traceback
 
 MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
+PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
 CAPABILITY_VERSION_3 = 0x20080522
 
 
 def _libc():
     return ctypes.CDLL(None, use_errno=True)
-
-
-def die_with_parent(parent: int) -> None:
-    """SIGKILL this process when its parent ends (a killed pipeline leaves no call running)."""
-    _libc().prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
-    if os.getppid() != parent:  # the parent ended before the request took effect
-        os._exit(137)
 
 
 def join_cgroup(procs_file: str) -> None:
