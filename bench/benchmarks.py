@@ -79,13 +79,13 @@ def _luigi_build(settings: RunSettings, task, workers: int = 1) -> float:
 
 def bench_pipeline_vs_memory(workdir: Path) -> list[tuple[str, str]]:
     """Alternating runs (the protocol, sandbox and data are loaded before any clock starts); the
-    best of two each."""
+    best of three each."""
     from pipeline.tasks import ScoreTrajectories
 
     settings = replace(SCRIPTED, runs_dir=str(workdir), sampler="scripted:bench.benchmarks:uniform_policy")
     protocol, sandbox, examples = protocol_for(settings), sandbox_for(settings), step_examples(settings, 0, None)
     in_memory, pipeline = [], []
-    for attempt in range(2):
+    for attempt in range(3):
         started = time.perf_counter()
         rollout_in_memory(examples, uniform_policy(settings), sandbox, protocol, settings.rollout_config(), 0)
         in_memory.append(time.perf_counter() - started)

@@ -27,10 +27,14 @@ def prepare_run(settings: RunSettings) -> None:
         sandbox_for(settings)  # probes the containment once, before task processes are forked
 
 
-@lru_cache(maxsize=4)
 def protocol_for(settings: RunSettings) -> ChatProtocol:
-    tokenizer = load_tokenizer(resolve_model(settings.model))
-    return ChatProtocol(tokenizer, tool_format=settings.tool_format, chat_template=settings.chat_template or None, tools=settings.use_tools)
+    return _protocol(settings.model, settings.tool_format, settings.chat_template, settings.use_tools)
+
+
+@lru_cache(maxsize=4)
+def _protocol(model: str, tool_format: str, chat_template: str, use_tools: bool) -> ChatProtocol:
+    """One per tokenizer and template (loading a tokenizer takes most of a second), shared by runs."""
+    return ChatProtocol(load_tokenizer(resolve_model(model)), tool_format=tool_format, chat_template=chat_template or None, tools=use_tools)
 
 
 def sandbox_for(settings: RunSettings) -> Sandbox:
