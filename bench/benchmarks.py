@@ -118,6 +118,35 @@ def bench_round_barrier(workdir: Path) -> list[tuple[str, str]]:
     return [("config", "as pipeline; tail: one call per tool round sleeps 2 s (others 50 ms)")] + rows
 
 
+def bench_stage_overhead(workdir: Path) -> list[tuple[str, str]]:
+    """Step 0 of the default CPU run (configs/cpu.cfg: the embedded model, hf sampler, real
+    sandbox) through Luigi in this process, timed from the build call to its return. Overhead: the
+    wall time outside every task's run() (Luigi's scheduling and completeness checks) plus the
+    Parquet reads and writes inside them (_timings/*.json). The tokenizer and sandbox are loaded
+    before the clock starts, as in a long run; loading the model is a stage's own work."""
+    from jobs.metrics import stage_timings
+    from jobs.runs import step_folder
+    from pipeline.config import current_settings
+    from pipeline.tasks import TrainStep
+
+    config = luigi.configuration.get_config()
+    config.remove_section("retool")  # what earlier benchmarks set; then the layers make run reads
+    config.read([str(REPO / "luigi.cfg"), str(REPO / "configs/cpu.cfg")])
+    settings = replace(current_settings(), runs_dir=str(workdir), run="default-step")
+    protocol_for(settings), sandbox_for(settings)
+    wall = _luigi_build(settings, TrainStep(step=0))
+    timings = stage_timings(step_folder(settings, 0))
+    in_runs, parquet = sum(t["seconds"] for t in timings), sum(t["parquet_seconds"] for t in timings)
+    scheduling = wall - in_runs
+    return [
+        ("config", f"configs/cpu.cfg step 0: {settings.questions_per_step} questions x {settings.group_size}, sampler {settings.sampler} (hf on a CPU), {len(timings)} tasks"),
+        ("step wall time", f"{wall:.2f} s"),
+        ("inside task runs", f"{in_runs:.2f} s, of which Parquet reads and writes {parquet:.3f} s"),
+        ("Luigi scheduling (outside task runs)", f"{scheduling:.3f} s"),
+        ("overhead share", f"{(scheduling + parquet) / wall:.2%} (goal <= 3 %)"),
+    ]
+
+
 def bench_sandbox(_: Path) -> list[tuple[str, str]]:
     """Per-call latency, cold (a new interpreter per call) against pre-warmed (a child forked from a
     server that imported sympy and numpy), both with the same containment; median of 7 calls."""
@@ -154,19 +183,27 @@ def bench_trainer(_: Path) -> list[tuple[str, str]]:
         tokens = [rng.randint(100, 40000) for _ in range(length)]
         mask = [position > length // 2 for position in range(length - 1)]
         datums.append(Datum(0, index, tokens[:-1], tokens[1:], [-1.0 if m else 0.0 for m in mask], [(0.5 if index % 2 else -0.5) if m else 0.0 for m in mask], mask))
-    metrics = train_step(model, optimizer, datums, config, len(datums))
-    started = time.perf_counter()
-    for batch in pack_micro_batches([d.num_tokens for d in datums], config.micro_batch_items, config.micro_batch_tokens):
-        rows = [datums[i] for i in batch.indices]
-        ids = torch.tensor([d.input_tokens + [0] * (batch.width - d.num_tokens) for d in rows])
-        mask = torch.tensor([[1] * d.num_tokens + [0] * (batch.width - d.num_tokens) for d in rows])
-        model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1).mean().backward()
-    bare = metrics.tokens / (time.perf_counter() - started)
+    def bare_tokens_per_second() -> float:
+        started = time.perf_counter()
+        for batch in pack_micro_batches([d.num_tokens for d in datums], config.micro_batch_items, config.micro_batch_tokens):
+            rows = [datums[i] for i in batch.indices]
+            ids = torch.tensor([d.input_tokens + [0] * (batch.width - d.num_tokens) for d in rows])
+            mask = torch.tensor([[1] * d.num_tokens + [0] * (batch.width - d.num_tokens) for d in rows])
+            model(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1).mean().backward()
+        model.zero_grad(set_to_none=True)
+        return sum(d.num_tokens for d in datums) / (time.perf_counter() - started)
+
+    ppo_runs, bare_runs = [], []
+    for _ in range(3):  # alternating; the first of each warms the kernels up
+        metrics = train_step(model, optimizer, datums, config, len(datums))
+        ppo_runs.append(metrics.tokens_per_second)
+        bare_runs.append(bare_tokens_per_second())
+    ppo, bare = max(ppo_runs), max(bare_runs)
     return [
         ("model", "SmolLM2-135M-Instruct, LoRA rank 32, float32, CPU"),
-        ("PPO step", f"{metrics.tokens_per_second:.0f} tokens/s"),
-        ("bare forward+backward, same batches", f"{bare:.0f} tokens/s"),
-        ("PPO / bare", f"{metrics.tokens_per_second / bare:.2f} (goal >= 0.9)"),
+        ("PPO step (optimizer step included)", f"{ppo:.0f} tokens/s (best of {', '.join(f'{r:.0f}' for r in ppo_runs)})"),
+        ("bare forward+backward, same batches", f"{bare:.0f} tokens/s (best of {', '.join(f'{r:.0f}' for r in bare_runs)})"),
+        ("PPO / bare", f"{ppo / bare:.2f} (goal >= 0.9)"),
         ("padded / real tokens", f"{metrics.padded_tokens / metrics.tokens:.3f} (goal <= 1.15)"),
     ]
 
@@ -198,6 +235,7 @@ def bench_sampler(workdir: Path) -> list[tuple[str, str]]:
 BENCHMARKS = {
     "pipeline": bench_pipeline_vs_memory,
     "barrier": bench_round_barrier,
+    "overhead": bench_stage_overhead,
     "sandbox": bench_sandbox,
     "trainer": bench_trainer,
     "sampler": bench_sampler,

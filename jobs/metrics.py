@@ -17,14 +17,19 @@ from jobs.trainer import StepMetrics
 TIMINGS = "_timings"  # per-stage wall times, one small JSON file per finished task
 
 
-def record_stage_seconds(step_folder: Path, task_id: str, stage: str, seconds: float) -> None:
-    write_text_atomically(step_folder / TIMINGS / f"{task_id}.json", json.dumps({"stage": stage, "seconds": seconds}))
+def record_stage_seconds(step_folder: Path, task_id: str, stage: str, seconds: float, parquet_seconds: float) -> None:
+    """Wall time of one finished task's run(), and the part of it spent reading and writing Parquet."""
+    entry = {"stage": stage, "seconds": seconds, "parquet_seconds": parquet_seconds}
+    write_text_atomically(step_folder / TIMINGS / f"{task_id}.json", json.dumps(entry))
+
+
+def stage_timings(step_folder: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted((step_folder / TIMINGS).glob("*.json"))]
 
 
 def stage_seconds(step_folder: Path) -> dict[str, float]:
     totals: Counter[str] = Counter()
-    for path in sorted((step_folder / TIMINGS).glob("*.json")):
-        entry = json.loads(path.read_text())
+    for entry in stage_timings(step_folder):
         totals[entry["stage"]] += entry["seconds"]
     return dict(totals)
 

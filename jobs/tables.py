@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -97,11 +99,40 @@ def table_from_rows(rows: Sequence[dict[str, Any]], schema: pa.Schema) -> pa.Tab
     return pa.Table.from_pylist(list(rows), schema=schema)
 
 
+_parquet_seconds = 0.0  # spent by this process in read_table and write_table_atomically
+
+
+def parquet_seconds() -> float:
+    """Seconds this process has spent reading and writing pipeline Parquet files so far."""
+    return _parquet_seconds
+
+
+def _timed(function):
+    @functools.wraps(function)
+    def timed(*args, **kwargs):
+        global _parquet_seconds
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _parquet_seconds += time.perf_counter() - started
+    return timed
+
+
+@functools.lru_cache(maxsize=16)  # about one step's files of one shard
+def _read_published(path: str, inode: int, mtime_ns: int, size: int) -> pa.Table:
+    """Files are only ever replaced whole (a new inode), so a version read once is reused: each
+    stage replays its shard from every earlier round file, and a process runs many stages."""
+    return pq.read_table(path)
+
+
+@_timed
 def read_table(path: str | Path, schema: pa.Schema) -> pa.Table:
     """Reads a file the pipeline wrote; a truncated or foreign file is an error naming it."""
     path = Path(path)
     try:
-        table = pq.read_table(path)
+        version = path.stat()
+        table = _read_published(str(path), version.st_ino, version.st_mtime_ns, version.st_size)
     except Exception as error:  # pyarrow raises several types for damaged files
         raise TableError(f"{path}: not a readable Parquet file ({error}); delete it and re-run its stage") from None
     missing = [name for name in schema.names if name not in table.schema.names]
@@ -113,5 +144,6 @@ def read_table(path: str | Path, schema: pa.Schema) -> pa.Table:
         raise TableError(f"{path}: columns have unexpected types ({error})") from None
 
 
+@_timed
 def write_table_atomically(table: pa.Table, path: str | Path) -> None:
     write_atomically(path, lambda temporary: pq.write_table(table, temporary))

@@ -12,7 +12,7 @@ from jobs.report import make_report
 from jobs.runs import EvalSpec, policy_checkpoint, rollout_settings, step_examples, step_folder
 from jobs.runtime import evaluate_stage, metrics_stage, prepare_run, protocol_for, read_round_files, sandbox_for
 from jobs.stages import datums_table, describe, execute_round, prompts_table, replay, sample_round, score_step
-from jobs.tables import PROMPTS, SAMPLES, TRAJECTORIES, read_table, write_table_atomically
+from jobs.tables import PROMPTS, SAMPLES, TRAJECTORIES, parquet_seconds, read_table, write_table_atomically
 from jobs.training import describe_metrics, train_stage
 from pipeline.config import current_settings
 
@@ -76,10 +76,15 @@ class RunTask(luigi.Task):
         return [t for shard in range(settings.shards) for t in self.state(shard, settings.max_assistant_turns)]
 
 
+@RunTask.event_handler(luigi.Event.START)
+def _note_start(task: RunTask) -> None:
+    task.parquet_seconds_at_start = parquet_seconds()
+
+
 @RunTask.event_handler(luigi.Event.PROCESSING_TIME)
 def _report_stage(task: RunTask, seconds: float) -> None:
     """One line per finished stage: what it wrote, how long it took, and where."""
-    record_stage_seconds(task.folder, task.task_id, task.task_family, seconds)
+    record_stage_seconds(task.folder, task.task_id, task.task_family, seconds, parquet_seconds() - task.parquet_seconds_at_start)
     where = luigi.task.flatten(task.output())[0].path
     print(f"{task.label()}: {getattr(task, 'summary', '')}, {seconds:.1f} s -> {where}", flush=True)
 

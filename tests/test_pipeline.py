@@ -13,6 +13,7 @@ import pytest
 
 import pipeline.tasks
 from jobs.data import read_examples, shuffled, take_batch
+from jobs.metrics import stage_timings
 from jobs.protocol import BUNDLED_TEMPLATE
 from jobs.rollout import rollout_in_memory
 from jobs.runtime import protocol_for, sandbox_for
@@ -254,5 +255,8 @@ def test_train_step_writes_the_step_metrics(configure, monkeypatch):
     assert metrics["train_datums"] == pa.parquet.read_table(step_dir(settings, 0) / "datums.parquet").num_rows > 0
     assert metrics["train_padded_tokens"] >= metrics["train_tokens"] > 0 and metrics["train_micro_batches"] >= 1
     assert metrics["seconds_SampleRound"] > 0 and metrics["seconds_TrainStep"] > 0
+    timings = stage_timings(step_dir(settings, 0))
+    assert {t["stage"] for t in timings} == {"Prompts", "SampleRound", "ExecuteRound", "ScoreTrajectories", "BuildDatums", "TrainStep"}
+    assert all(0 < t["parquet_seconds"] < t["seconds"] for t in timings if t["stage"] != "TrainStep")  # every other stage reads and writes Parquet
     assert metrics["sandbox_containment"].startswith(("namespaces", "NO namespaces"))
     assert sum(metrics[f"stop_{r}"] for r in ("answer", "invalid", "max_code_calls", "max_turns", "token_budget", "observation_over_budget", "prompt_over_budget")) == 9
