@@ -114,9 +114,11 @@ def run_contained(settings: dict) -> int:
 
 def redirect_output(workdir: str) -> None:
     """Standard input from /dev/null, output appended to the call's .stdout and .stderr files."""
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    for fd, name in ((1, ".stdout"), (2, ".stderr")):
-        os.dup2(os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), fd)
+    opened = [os.open(os.devnull, os.O_RDONLY)]
+    opened += [os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) for name in (".stdout", ".stderr")]
+    for fd, source in enumerate(opened):
+        os.dup2(source, fd)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the code inherits nothing else
 
 
 def run_cell(settings: dict) -> int:

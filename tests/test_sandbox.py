@@ -108,6 +108,17 @@ def test_environment_is_clean(sandbox, monkeypatch):
     assert "OMP_NUM_THREADS" in result.stdout
 
 
+@pytest.mark.parametrize("prewarmed", [True, False], ids=["pre-warmed", "cold"])
+def test_no_file_descriptor_is_inherited(prewarmed):
+    sandbox = Sandbox(SandboxConfig(prewarmed=prewarmed, max_workers=1))
+    try:
+        result = sandbox.run_code("import os\nprint(sorted(os.readlink(f'/proc/self/fd/{fd}') for fd in os.listdir('/proc/self/fd')[:-1]))")
+    finally:
+        sandbox.close()
+    workdir = result.stdout.split(".stdout")[0].rsplit("'", 1)[-1]
+    assert result.stdout.strip() == str(["/dev/null", f"{workdir}.stderr", f"{workdir}.stdout"])
+
+
 def test_working_directory_is_removed(sandbox):
     result = sandbox.run_code("import os\nopen('f.txt', 'w').write('x')\nprint(os.getcwd())")
     assert not Path(result.stdout.strip()).exists()
