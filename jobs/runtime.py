@@ -24,7 +24,7 @@ def prepare_run(settings: RunSettings) -> None:
     check_machine(settings)
     freeze(settings)
     if settings.use_tools:
-        sandbox_for(settings)  # probes the containment once, before task processes are forked
+        sandbox_for(settings).prewarm()  # before Luigi forks task processes: they all use its zygote
 
 
 def protocol_for(settings: RunSettings) -> ChatProtocol:

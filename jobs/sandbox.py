@@ -18,13 +18,16 @@ import tempfile
 import threading
 import queue
 import select
+import socket
 import time
 import uuid
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -180,7 +183,7 @@ def neutralise(text: str, forbidden: Sequence[str]) -> str:
     return text
 
 
-@dataclass
+@dataclass(eq=False)  # a resource, compared by identity
 class Sandbox:
     config: SandboxConfig = field(default_factory=SandboxConfig)
     forbidden_strings: tuple[str, ...] = PROTOCOL_MARKERS  # neutralised in every observation
@@ -192,8 +195,30 @@ class Sandbox:
         self.containment = probe_containment() if self.config.contain else Containment(False, None)
         # Fork servers, one per concurrent call; a server's timeouts rely on the pids cgroup.
         self.prewarmed = self.config.prewarmed and self.containment.namespaces and self.containment.pids_cgroup is not None
-        self._servers: queue.SimpleQueue = queue.SimpleQueue()
-        self._servers_owner = os.getpid()  # only this process uses the servers (see _run)
+        self._servers: queue.SimpleQueue = queue.SimpleQueue()  # this process's idle servers
+        self._zygote: subprocess.Popen | None = None  # started by this process, or None
+        self._zygote_address: str | None = None  # where any process of the pipeline connects
+        self._zygote_lock = threading.Lock()
+        _SANDBOXES.add(self)
+
+    def prewarm(self) -> None:
+        """Starts the zygote now (it takes about a second): before Luigi forks its task processes,
+        so that all of them fork their servers from it."""
+        if self.prewarmed:
+            self._zygote_socket_address()
+
+    def _forget_inherited(self) -> None:
+        """In a forked child: the parent's servers and zygote input are not ours to use or keep
+        open (a server ends when every copy of its connection closes)."""
+        while True:
+            try:
+                self._servers.get_nowait().connection.close()
+            except queue.Empty:
+                break
+        if self._zygote is not None:
+            self._zygote.stdin.close()
+            self._zygote = None
+        self._zygote_lock = threading.Lock()
 
     def _environment(self, workdir: str) -> dict[str, str]:
         environment = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "MPLBACKEND": "Agg"}
@@ -226,9 +251,7 @@ class Sandbox:
     def _run(self, code: str) -> ExecutionResult:
         config, containment = self.config, self.containment
         workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
-        # Fork servers belong to the process that made this sandbox: a process forked from it
-        # (Luigi's --workers K runs each task in one) lives too briefly to pay their start.
-        warm = self.prewarmed and os.getpid() == self._servers_owner
+        warm = self.prewarmed
         # A cold call gets a pids cgroup of its own; a warm one is born into its server's.
         cgroup = containment.pids_cgroup / f"{os.getpid()}-{uuid.uuid4().hex}" if containment.pids_cgroup and not warm else None
         try:
@@ -289,17 +312,16 @@ class Sandbox:
         except queue.Empty:
             server = self._start_server()
         try:
-            server.process.stdin.write(json.dumps({"settings": str(settings_file)}) + "\n")
-            server.process.stdin.flush()
-            ready, _, _ = select.select([server.process.stdout], [], [], self.config.timeout_seconds)
+            server.send({"settings": str(settings_file)})
+            ready, _, _ = select.select([server.connection], [], [], self.config.timeout_seconds)
             timed_out = not ready
             while not ready:  # kill until the server reports the call over
-                _empty_cgroup(server.cgroup, remove=False, spare=server.process.pid)
-                ready, _, _ = select.select([server.process.stdout], [], [], 0.2)
-            reply = server.process.stdout.readline().split()
+                _empty_cgroup(server.cgroup, remove=False, spare=server.pid)
+                ready, _, _ = select.select([server.connection], [], [], 0.2)
+            reply = server.stream.readline().split()
             if len(reply) != 2 or reply[0] != "done":
                 raise RuntimeError("the sandbox fork server stopped")
-            _empty_cgroup(server.cgroup, remove=False, spare=server.process.pid)  # what the code left running
+            _empty_cgroup(server.cgroup, remove=False, spare=server.pid)  # what the code left running
         except Exception:
             server.stop()
             raise
@@ -307,29 +329,55 @@ class Sandbox:
         return None if timed_out else int(reply[1])
 
     def _start_server(self) -> "_ForkServer":
-        """A new fork server in a pids cgroup of its own; returns once it has imported its
-        libraries (not counted in any call)."""
+        """A server forked from the zygote for this process, in a pids cgroup of its own."""
         cgroup = self.containment.pids_cgroup / f"{os.getpid()}-server-{uuid.uuid4().hex}"
         cgroup.mkdir()
         (cgroup / "pids.max").write_text(str(self.config.max_processes + 1))  # the server, and one call
-        process = subprocess.Popen(
-            ["unshare", "--net", self.config.python, "-I", str(FORK_SERVER), str(cgroup / "cgroup.procs")],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            cwd="/", env=self._environment(tempfile.gettempdir()), close_fds=True, start_new_session=True, text=True,
-        )
-        server = _ForkServer(process, cgroup)
-        if process.stdout.readline() != "ready\n":
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server = _ForkServer(connection, connection.makefile("rw", encoding="utf-8", newline="\n"), 0, cgroup)
+        try:
+            connection.connect(self._zygote_socket_address())
+            server.send({"cgroup_procs": str(cgroup / "cgroup.procs")})
+            reply = server.stream.readline().split()
+            if len(reply) != 2 or reply[0] != "ready":
+                raise RuntimeError("the sandbox fork server did not start")
+            server.pid = int(reply[1])
+        except Exception:
             server.stop()
-            raise RuntimeError("the sandbox fork server did not start")
+            raise
         return server
 
+    def _zygote_socket_address(self) -> str:
+        """Starts the zygote on first use (one per pipeline: forked processes inherit its address)."""
+        with self._zygote_lock:
+            if self._zygote_address is None:
+                address = f"\0retool-sandbox-{os.getpid()}-{uuid.uuid4().hex}"  # abstract: lives in this network namespace only
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+                    listener.bind(address)
+                    listener.listen(64)
+                    zygote = subprocess.Popen(
+                        [self.config.python, "-I", str(FORK_SERVER), str(listener.fileno())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                        cwd="/", env=self._environment(tempfile.gettempdir()), close_fds=True, start_new_session=True, text=True,
+                        pass_fds=(listener.fileno(),),
+                    )
+                if zygote.stdout.readline() != "ready\n":
+                    _kill_group(zygote)
+                    raise RuntimeError("the sandbox zygote did not start")
+                self._zygote, self._zygote_address = zygote, address
+            return self._zygote_address
+
     def close(self) -> None:
-        """Stops the fork servers (they also stop when this process ends: their input closes)."""
+        """Stops this process's servers and the zygote it started (they also stop when this
+        process ends: their connections and input close)."""
         while True:
             try:
                 self._servers.get_nowait().stop()
             except queue.Empty:
-                return
+                break
+        with self._zygote_lock:
+            if self._zygote is not None:
+                _kill_group(self._zygote)
+                self._zygote, self._zygote_address = None, None
 
     def observation(self, result: ExecutionResult) -> str:
         """The tool message content the model sees for one call."""
@@ -362,12 +410,29 @@ def _child_status(status_file: Path, exit_code: int | None) -> int | None:
 
 @dataclass
 class _ForkServer:
-    process: subprocess.Popen  # python -I sandbox_forkserver.py, in a network namespace of its own
+    connection: socket.socket  # to a server forked from the zygote, in a network namespace of its own
+    stream: Any  # the connection as text lines
+    pid: int  # the server's
     cgroup: Path  # holds the server and the call it runs
 
+    def send(self, message: dict) -> None:
+        self.stream.write(json.dumps(message) + "\n")
+        self.stream.flush()
+
     def stop(self) -> None:
-        _kill_group(self.process)
-        _empty_cgroup(self.cgroup)
+        self.connection.close()
+        _empty_cgroup(self.cgroup)  # the server too
+
+
+_SANDBOXES: "weakref.WeakSet[Sandbox]" = weakref.WeakSet()
+
+
+def _forget_inherited_servers() -> None:
+    for sandbox in list(_SANDBOXES):
+        sandbox._forget_inherited()
+
+
+os.register_at_fork(after_in_child=_forget_inherited_servers)
 
 
 def _empty_cgroup(cgroup: Path, remove: bool = True, spare: int | None = None) -> None:

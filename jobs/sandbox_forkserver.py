@@ -1,13 +1,19 @@
-"""A pre-warmed sandbox: a long-lived process that has imported the common math libraries and forks
-a fresh, contained child per call (started by jobs.sandbox only: python -I sandbox_forkserver.py CGROUP_PROCS_FILE).
+"""A pre-warmed sandbox: a long-lived process (the zygote) that has imported the common math libraries
+and forks, for each client connection, a server that forks a fresh, contained child per call
+(started by jobs.sandbox only: python -I sandbox_forkserver.py LISTENING_SOCKET_FD).
 
-Protocol: one JSON line on stdin per call (the path of the call's settings file, as for the cold
-runner); one line back on stdout when the call has ended (`done EXIT_CODE`, negative for a signal). The server runs in a network namespace of
-its own with no interface up (creating one per call costs tens of milliseconds; calls of one server
-run one at a time and nothing of a call outlives it) and a pids cgroup that it shares with the call
-it runs (emptied of the call's processes after each). Each call's child enters new mount and PID namespaces, makes every mount read-only but its working
-directory, drops all capabilities and runs the cell exactly as sandbox_runner does. The server
-itself never runs model code, so every call starts from the same clean, pre-imported state.
+The listening socket is an abstract Unix socket in the pipeline's network namespace, so every
+process of the pipeline (Luigi's task processes too) can connect, and no sandboxed call can: each
+server enters a network namespace of its own with no interface up before it serves (creating one
+per call would cost tens of milliseconds; the calls of one server run one at a time, so concurrent
+calls never share one). Protocol on a connection: one JSON line with the path of the server's pids
+cgroup, which it joins (each call is born into it, so nothing moves per call), answered by
+`ready PID`; then one JSON line per call (the path of the call's settings file, as for the cold
+runner), answered by `done EXIT_CODE` (negative for a signal) when the call has ended. Each call's
+child enters new mount and PID namespaces, makes every mount read-only but its working directory,
+drops all capabilities and runs the cell exactly as sandbox_runner does. Neither zygote nor server
+runs model code, so every call starts from the same clean, pre-imported state. A server ends when
+its connection closes (killing a call in flight); the zygote when its standard input closes.
 """
 
 import ctypes
@@ -15,12 +21,14 @@ import gc
 import json
 import os
 import select
+import signal
+import socket
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # -I leaves this folder out
 import sandbox_runner as runner  # noqa: E402
 
-CLONE_NEWNS, CLONE_NEWPID = 0x00020000, 0x20000000
+CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
 MS_REC, MS_PRIVATE = 16384, 1 << 18
 PR_SET_PDEATHSIG = 1
 PREWARMED = ("sympy", "numpy", "math", "fractions", "itertools", "functools", "collections", "decimal")
@@ -55,44 +63,66 @@ def fork_into_new_pid_namespace(own_namespace: int) -> int:
     return os.fork()
 
 
-def _wait_unless_abandoned(child: int) -> int:
-    """Waits for the call; if the pipeline ends meanwhile (stdin closes), kills it and exits. (No
-    PR_SET_PDEATHSIG here: it follows the parent thread, and servers start from short-lived threads.)"""
+def _wait_unless_abandoned(child: int, connection: socket.socket) -> int:
+    """Waits for the call; if the client goes away meanwhile (its connection closes), kills the call
+    and exits. (No PR_SET_PDEATHSIG here: the client is not this process's parent.)"""
     ended = os.pidfd_open(child)
     try:
-        readable, _, _ = select.select([sys.stdin, ended], [], [])
+        readable, _, _ = select.select([connection, ended], [], [])
     finally:
         os.close(ended)
     if ended not in readable:
         os.kill(child, 9)  # the call's PID namespace dies with its first process
         os.waitpid(child, 0)
-        sys.exit(0)
+        os._exit(0)
     return os.waitstatus_to_exitcode(os.waitpid(child, 0)[1])
 
 
-def serve(cgroup_procs: str) -> None:
-    runner.join_cgroup(cgroup_procs)  # each call is forked into it: no costly move per call
-    for name in PREWARMED:
-        __import__(name)
+def serve_client(connection: socket.socket) -> None:
+    """In a child of the zygote: a server for one client, in a network namespace of its own."""
+    if ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET) != 0:
+        os._exit(125)
+    stream = connection.makefile("rw", encoding="utf-8", newline="\n")
+    runner.join_cgroup(json.loads(stream.readline())["cgroup_procs"])
     own_namespace = os.open("/proc/self/ns/pid", os.O_RDONLY)
-    gc.freeze()  # a call's garbage collections leave the imported objects (and their pages) untouched
-    sys.stdout.write("ready\n")
-    sys.stdout.flush()
-    for line in sys.stdin:
-        settings_path = json.loads(line)["settings"]
-        with open(settings_path, encoding="utf-8") as handle:
+    server = os.getpid()
+    stream.write(f"ready {server}\n")
+    stream.flush()
+    for line in stream:
+        with open(json.loads(line)["settings"], encoding="utf-8") as handle:
             settings = json.load(handle)
-        server = os.getpid()
         child = fork_into_new_pid_namespace(own_namespace)
         if child == 0:
             try:
                 contain_and_run(settings, server)
             finally:
                 os._exit(126)
-        exit_code = _wait_unless_abandoned(child)
-        sys.stdout.write(f"done {exit_code}\n")
-        sys.stdout.flush()
+        exit_code = _wait_unless_abandoned(child, connection)
+        stream.write(f"done {exit_code}\n")
+        stream.flush()
+
+
+def serve(listener: socket.socket) -> None:
+    for name in PREWARMED:
+        __import__(name)
+    gc.freeze()  # a call's garbage collections leave the imported objects (and their pages) untouched
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # servers that end are reaped by the kernel
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    while True:
+        readable, _, _ = select.select([sys.stdin, listener], [], [])
+        if sys.stdin in readable:  # the pipeline closed our input (or ended)
+            return
+        connection, _ = listener.accept()
+        if os.fork() == 0:
+            try:
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # a server waits for its calls
+                listener.close()
+                serve_client(connection)
+            finally:
+                os._exit(0)
+        connection.close()
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(socket.socket(fileno=int(sys.argv[1])))

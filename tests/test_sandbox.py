@@ -186,3 +186,47 @@ def test_prewarmed_and_cold_calls_agree():
             assert (a.status, a.stdout, a.stderr, a.exit_code) == (b.status, b.stdout, b.stderr, b.exit_code), code
     finally:
         warm.close()
+
+
+needs_prewarmed = pytest.mark.skipif(not Sandbox().prewarmed, reason="pre-warmed servers need namespaces and a pids cgroup")
+
+
+@needs_prewarmed
+def test_forked_processes_fork_their_servers_from_the_same_zygote():
+    """Luigi's task processes (--workers K) are forked from the scheduling process: each gets
+    servers of its own from the zygote that process started, and leaves the parent's alone."""
+    sandbox = Sandbox(SandboxConfig(max_workers=1))
+    try:
+        sandbox.prewarm()
+        assert sandbox.run_code("print(1)").stdout == "1\n"
+        parent_server = sandbox._servers.get_nowait()
+        sandbox._servers.put(parent_server)
+        reader, writer = os.pipe()
+        child = os.fork()
+        if child == 0:
+            try:
+                result = sandbox.run_code("import sympy\nprint(sympy.factorint(12))")
+                child_server = sandbox._servers.get_nowait()
+                fine = result.stdout == "{2: 2, 3: 1}\n" and child_server.pid != parent_server.pid and sandbox._zygote is None
+                os.write(writer, b"ok" if fine else repr((result, child_server.pid, parent_server.pid)).encode())
+            finally:
+                os._exit(0)
+        os.close(writer)
+        assert os.read(reader, 4096) == b"ok"
+        os.waitpid(child, 0)
+        assert sandbox.run_code("print(2)").stdout == "2\n"  # the parent's server still serves it
+        assert sandbox._servers.get_nowait() is parent_server
+    finally:
+        sandbox.close()
+
+
+@needs_prewarmed
+def test_code_cannot_reach_the_zygote():
+    sandbox = Sandbox(SandboxConfig(max_workers=1))
+    try:
+        sandbox.prewarm()
+        code = f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({sandbox._zygote_address!r})\nprint('connected')"
+        result = sandbox.run_code(code)
+    finally:
+        sandbox.close()
+    assert result.status == "error" and "ConnectionRefusedError" in result.stderr and "connected" not in result.stdout
