@@ -212,7 +212,7 @@ class Sandbox:
         open (a server ends when every copy of its connection closes)."""
         while True:
             try:
-                self._servers.get_nowait().connection.close()
+                self._servers.get_nowait().forget()
             except queue.Empty:
                 break
         if self._zygote is not None:
@@ -336,7 +336,7 @@ class Sandbox:
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         server = _ForkServer(connection, connection.makefile("rw", encoding="utf-8", newline="\n"), 0, cgroup)
         try:
-            connection.connect(self._zygote_socket_address())
+            self._connect_to_zygote(connection)
             server.send({"cgroup_procs": str(cgroup / "cgroup.procs")})
             reply = server.stream.readline().split()
             if len(reply) != 2 or reply[0] != "ready":
@@ -346,6 +346,19 @@ class Sandbox:
             server.stop()
             raise
         return server
+
+    def _connect_to_zygote(self, connection: socket.socket) -> None:
+        address = self._zygote_socket_address()
+        try:
+            connection.connect(address)
+        except (ConnectionRefusedError, FileNotFoundError):  # the zygote ended (killed?): start another here
+            log.warning("the sandbox zygote is gone; starting a new one in process %d", os.getpid())
+            with self._zygote_lock:
+                if self._zygote_address == address:
+                    if self._zygote is not None:
+                        _kill_group(self._zygote)
+                    self._zygote, self._zygote_address = None, None
+            connection.connect(self._zygote_socket_address())
 
     def _zygote_socket_address(self) -> str:
         """Starts the zygote on first use (one per pipeline: forked processes inherit its address)."""
@@ -415,12 +428,17 @@ class _ForkServer:
     pid: int  # the server's
     cgroup: Path  # holds the server and the call it runs
 
+    def forget(self) -> None:
+        """Closes this process's copy of the connection (in a forked child), leaving the server alone."""
+        self.stream.close()
+        self.connection.close()
+
     def send(self, message: dict) -> None:
         self.stream.write(json.dumps(message) + "\n")
         self.stream.flush()
 
     def stop(self) -> None:
-        self.connection.close()
+        self.forget()
         _empty_cgroup(self.cgroup)  # the server too
 
 

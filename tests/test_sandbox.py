@@ -230,3 +230,15 @@ def test_code_cannot_reach_the_zygote():
     finally:
         sandbox.close()
     assert result.status == "error" and "ConnectionRefusedError" in result.stderr and "connected" not in result.stdout
+
+
+@needs_prewarmed
+def test_a_killed_zygote_is_replaced():
+    sandbox = Sandbox(SandboxConfig(max_workers=1))
+    try:
+        sandbox.prewarm()
+        os.kill(sandbox._zygote.pid, 9)
+        sandbox._zygote.wait()
+        assert sandbox.run_code("print(3)").stdout == "3\n"
+    finally:
+        sandbox.close()
