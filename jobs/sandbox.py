@@ -251,9 +251,8 @@ class Sandbox:
     def _run(self, code: str) -> ExecutionResult:
         config, containment = self.config, self.containment
         workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
-        warm = self.prewarmed
         # A cold call gets a pids cgroup of its own; a warm one is born into its server's.
-        cgroup = containment.pids_cgroup / f"{os.getpid()}-{uuid.uuid4().hex}" if containment.pids_cgroup and not warm else None
+        cgroup = containment.pids_cgroup / f"{os.getpid()}-{uuid.uuid4().hex}" if containment.pids_cgroup and not self.prewarmed else None
         try:
             code_file, out_file, err_file = (Path(workdir, name) for name in ("cell.py", ".stdout", ".stderr"))
             code_file.write_text(code, encoding="utf-8")
@@ -272,7 +271,7 @@ class Sandbox:
             settings_file.write_text(json.dumps(settings))
             started = time.perf_counter()
             try:
-                exit_code = self._run_prewarmed(settings_file) if warm else self._run_cold(settings_file, workdir)
+                exit_code = self._run_prewarmed(settings_file) if self.prewarmed else self._run_cold(settings_file, workdir)
             finally:
                 if cgroup:
                     _empty_cgroup(cgroup)  # kills whatever is left, wherever it went
@@ -318,15 +317,13 @@ class Sandbox:
             while not ready:  # kill until the server reports the call over
                 _empty_cgroup(server.cgroup, remove=False, spare=server.pid)
                 ready, _, _ = select.select([server.connection], [], [], 0.2)
-            reply = server.stream.readline().split()
-            if len(reply) != 2 or reply[0] != "done":
-                raise RuntimeError("the sandbox fork server stopped")
+            exit_code = server.receive("done")
             _empty_cgroup(server.cgroup, remove=False, spare=server.pid)  # what the code left running
         except Exception:
             server.stop()
             raise
         self._servers.put(server)
-        return None if timed_out else int(reply[1])
+        return None if timed_out else exit_code
 
     def _start_server(self) -> "_ForkServer":
         """A server forked from the zygote for this process, in a pids cgroup of its own."""
@@ -338,10 +335,7 @@ class Sandbox:
         try:
             self._connect_to_zygote(connection)
             server.send({"cgroup_procs": str(cgroup / "cgroup.procs")})
-            reply = server.stream.readline().split()
-            if len(reply) != 2 or reply[0] != "ready":
-                raise RuntimeError("the sandbox fork server did not start")
-            server.pid = int(reply[1])
+            server.pid = server.receive("ready")
         except Exception:
             server.stop()
             raise
@@ -353,11 +347,7 @@ class Sandbox:
             connection.connect(address)
         except (ConnectionRefusedError, FileNotFoundError):  # the zygote ended (killed?): start another here
             log.warning("the sandbox zygote is gone; starting a new one in process %d", os.getpid())
-            with self._zygote_lock:
-                if self._zygote_address == address:
-                    if self._zygote is not None:
-                        _kill_group(self._zygote)
-                    self._zygote, self._zygote_address = None, None
+            self._stop_zygote(address)
             connection.connect(self._zygote_socket_address())
 
     def _zygote_socket_address(self) -> str:
@@ -387,10 +377,17 @@ class Sandbox:
                 self._servers.get_nowait().stop()
             except queue.Empty:
                 break
+        self._stop_zygote()
+
+    def _stop_zygote(self, address: str | None = None) -> None:
+        """Stops the zygote this process started (if any) and forgets its address; with `address`,
+        only if that is still the current one (another thread may have replaced it already)."""
         with self._zygote_lock:
+            if address is not None and address != self._zygote_address:
+                return
             if self._zygote is not None:
                 _kill_group(self._zygote)
-                self._zygote, self._zygote_address = None, None
+            self._zygote, self._zygote_address = None, None
 
     def observation(self, result: ExecutionResult) -> str:
         """The tool message content the model sees for one call."""
@@ -436,6 +433,13 @@ class _ForkServer:
     def send(self, message: dict) -> None:
         self.stream.write(json.dumps(message) + "\n")
         self.stream.flush()
+
+    def receive(self, word: str) -> int:
+        """Reads the server's `WORD NUMBER` line; anything else means the server is gone."""
+        reply = self.stream.readline().split()
+        if len(reply) != 2 or reply[0] != word:
+            raise RuntimeError(f"the sandbox fork server stopped (expected {word!r}, read {reply!r})")
+        return int(reply[1])
 
     def stop(self) -> None:
         self.forget()

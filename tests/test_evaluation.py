@@ -12,7 +12,7 @@ from jobs.runtime import protocol_for
 from jobs.sampling import ScriptedSampler
 from jobs.tables import TRAJECTORIES, table_from_rows
 from tests.helpers import scripted, tool_call_text
-from tests.test_pipeline import REPO, configure  # noqa: F401  (fixture)
+from tests.test_pipeline import configure  # noqa: F401  (fixture)
 
 
 def test_pass_at_k_matches_hand_computed_values():

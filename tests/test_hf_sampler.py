@@ -63,8 +63,6 @@ def test_stop_tokens_and_strings_end_a_row(sampler):
 
 
 def test_sampling_from_a_lora_checkpoint_matches_the_trained_model(tiny_model_dir, tmp_path):
-    from dataclasses import replace
-
     from jobs.trainer import TrainerConfig, load_policy, save_checkpoint, train_step
     from tests.test_trainer import on_policy_datums
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.sandbox import ExecutionResult, Sandbox, SandboxConfig, neutralise, probe_containment
+from jobs.sandbox import ExecutionResult, Sandbox, neutralise, probe_containment
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
