@@ -15,7 +15,7 @@ import luigi
 import pyarrow.parquet as pq
 
 from jobs.models import DEFAULT_MODEL_DIR, build_default_model
-from jobs.protocol import BUNDLED_TEMPLATE
+from jobs.protocol import BUNDLED_TEMPLATE, tool_call_text
 from jobs.rollout import rollout_in_memory
 from jobs.runs import step_examples
 from jobs.runtime import protocol_for, sandbox_for
@@ -33,11 +33,7 @@ SCRIPTED = RunSettings(
 
 
 def _tool_call(code: str, tool_format: str) -> str:
-    import json
-
-    if tool_format == "xml":
-        return f"Let me compute.\n<tool_call>\n<function=code_interpreter>\n<parameter=code>\n{code}\n</parameter>\n</function>\n</tool_call>"
-    return "Let me compute.\n<tool_call>\n" + json.dumps({"name": "code_interpreter", "arguments": {"code": code}}) + "\n</tool_call>"
+    return tool_call_text(code, tool_format, "Let me compute.")
 
 
 def _policy(settings: RunSettings, slow_seconds: Callable[[int, int, int], float], seconds_per_token: float = 0.003) -> ScriptedSampler:
@@ -132,7 +128,7 @@ def bench_stage_overhead(workdir: Path) -> list[tuple[str, str]]:
     config = luigi.configuration.get_config()
     config.remove_section("retool")  # what earlier benchmarks set; then the layers make run reads
     config.read([str(REPO / "luigi.cfg"), str(REPO / "configs/cpu.cfg")])
-    settings = replace(current_settings(), runs_dir=str(workdir), run="default-step")
+    settings = replace(current_settings(), runs_dir=str(workdir), run="default-step", cold_start_data="")  # one RL step alone
     protocol_for(settings), sandbox_for(settings).prewarm()
     wall = _luigi_build(settings, TrainStep(step=0))
     timings = stage_timings(step_folder(settings, 0))
@@ -232,6 +228,37 @@ def bench_sampler(workdir: Path) -> list[tuple[str, str]]:
     return rows
 
 
+LEARNING_STEPS = 12  # RL steps of the learning benchmark
+LEARNING_SAMPLES = 4  # evaluation samples per held-out question
+
+
+def bench_learning(workdir: Path) -> list[tuple[str, str]]:
+    """The default CPU run (configs/cpu.cfg) with more RL steps: base vs cold start (SFT) vs SFT+RL on
+    the held-out questions of data/synthetic_eval.jsonl, and the RL curve; the curve is also drawn to
+    docs/learning-curve.png."""
+    from jobs.analysis import metrics_by_step
+    from jobs.report import plot_learning_curve
+    from pipeline.config import current_settings
+    from pipeline.tasks import BeforeAfter
+
+    config = luigi.configuration.get_config()
+    config.remove_section("retool")
+    config.read([str(REPO / "luigi.cfg"), str(REPO / "configs/cpu.cfg")])
+    settings = replace(current_settings(), runs_dir=str(workdir), run="learning")
+    task = BeforeAfter(step=LEARNING_STEPS - 1, n=LEARNING_SAMPLES)
+    wall = _luigi_build(settings, task)
+    metrics = metrics_by_step(settings.run_dir)
+    plot_learning_curve(metrics, REPO / "docs" / "learning-curve.png")
+    rows = [("config", f"configs/cpu.cfg, {LEARNING_STEPS} RL steps, Evaluate n={LEARNING_SAMPLES} on {task.dataset}"), ("wall time", f"{wall:.0f} s")]
+    rows += [(f"  {line.split('|')[1].strip()}", "|".join(line.split("|")[2:-1]).strip()) for line in Path(task.output().path).read_text().splitlines()
+             if line.startswith("| ") and not line.startswith("| policy")]
+    rows += [("paired", line) for line in Path(task.output().path).read_text().splitlines() if "paired" in line]
+    for row in metrics.iter_rows(named=True):
+        rows.append((f"RL step {row['step']}", f"reward {row['reward_mean']:+.3f}, correct {row['correct']:.3f}, degenerate groups "
+                     f"{row['degenerate_group_rate']:.2f}, update {'skipped' if row['train_skipped'] else 'made'}, sampler gap {row['train_logprob_gap']:.1e}"))
+    return rows
+
+
 BENCHMARKS = {
     "pipeline": bench_pipeline_vs_memory,
     "barrier": bench_round_barrier,
@@ -239,6 +266,7 @@ BENCHMARKS = {
     "sandbox": bench_sandbox,
     "trainer": bench_trainer,
     "sampler": bench_sampler,
+    "learning": bench_learning,
 }
 
 

@@ -7,7 +7,6 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 TOOL_NAME = "code_interpreter"
 CODE_INTERPRETER_TOOL = {
@@ -110,6 +109,15 @@ def parse_assistant(text: str, tool_format: str = "auto") -> ParsedAssistant:
     return ParsedAssistant("tool", code=code)
 
 
+def tool_call_text(code: str, tool_format: str, preamble: str = "") -> str:
+    """An assistant turn that calls the tool, written as a model is taught to write it."""
+    if tool_format == "xml":
+        body = f"<function={TOOL_NAME}>\n<parameter=code>\n{code}\n</parameter>\n</function>"
+    else:
+        body = json.dumps({"name": TOOL_NAME, "arguments": {"code": code}})
+    return f"{preamble}\n<tool_call>\n{body}\n</tool_call>" if preamble else f"<tool_call>\n{body}\n</tool_call>"
+
+
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 
@@ -161,6 +169,9 @@ class ChatProtocol:
             self.system_prompt = (system_prompt or SYSTEM_PROMPT) + _tools_block(tool_format)
         self.closing_text = self._closing_text(probe)
         self.stop_token_ids = self._stop_token_ids()
+        closing = self.encode(self.closing_text)
+        # The token a model emits to end an answer turn: the template's closing if special, else EOS.
+        self.end_of_turn_token = closing[0] if closing and closing[0] in self.stop_token_ids else self.stop_token_ids[0]
         self.stop_strings = ("</tool_call>",)  # a call is complete here; nothing may follow it
         self.forbidden_strings = tuple(sorted(set(special_token_strings(tokenizer)) | {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"}))
 
@@ -241,5 +252,3 @@ class ChatProtocol:
         """Tokens an observation costs besides its content (closing, wrapper, next prefix)."""
         return len(self.observation_delta(messages_before_assistant, [], "", "code-0-0-0"))
 
-    def describe(self) -> dict[str, Any]:
-        return {"tool_format": self.tool_format, "template_handles_tools": self.template_handles_tools, "stop_token_ids": list(self.stop_token_ids), "stop_strings": list(self.stop_strings)}

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from jobs.protocol import ChatProtocol
+from jobs.protocol import tool_call_text as protocol_tool_call_text
 from jobs.sandbox import ExecutionResult, SandboxStats
 
 
 def tool_call_text(code: str, tool_format: str, preamble: str = "Let me compute this.") -> str:
-    if tool_format == "xml":
-        body = f"<function=code_interpreter>\n<parameter=code>\n{code}\n</parameter>\n</function>"
-    else:
-        body = json.dumps({"name": "code_interpreter", "arguments": {"code": code}})
-    return f"{preamble}\n<tool_call>\n{body}\n</tool_call>"
+    return protocol_tool_call_text(code, tool_format, preamble)
 
 
 def completion(protocol: ChatProtocol, text: str, close: bool = True, logprob: float = -0.25) -> tuple[list[int], list[float]]:
