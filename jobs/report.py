@@ -105,6 +105,20 @@ def plot_eval(evals: pl.DataFrame, path: Path) -> None:
     plt.close(figure)
 
 
+def plot_learning_curve(metrics: pl.DataFrame, path: Path) -> None:
+    """Reward mean and degenerate-group rate per RL step: is the policy learning, and is there signal?"""
+    figure, axis = plt.subplots(figsize=(6.4, 3.6), constrained_layout=True)
+    steps = _column(metrics, "step")
+    axis.plot(steps, _column(metrics, "reward_mean"), marker="o", label="reward mean")
+    axis.plot(steps, _column(metrics, "correct"), marker="s", linestyle="--", label="correct")
+    axis.plot(steps, _column(metrics, "degenerate_group_rate"), marker="^", linestyle=":", label="degenerate-group rate")
+    axis.set(title="RL after the cold start", xlabel="training step", ylim=(-1.05, 1.05))
+    axis.legend(loc="lower right", fontsize="small")
+    axis.grid(alpha=0.3)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def _markdown_table(frame: pl.DataFrame, columns: list[str]) -> str:
     present = [c for c in columns if c in frame.columns]
     if not frame.height or not present:

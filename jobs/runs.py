@@ -9,7 +9,7 @@ from pathlib import Path
 
 from jobs.data import MathExample, read_examples, shuffled, take_batch
 from jobs.evaluation import EVAL_MODES
-from jobs.settings import RunSettings, SettingsError
+from jobs.settings import RunSettings, SettingsError, resolve_model
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,7 @@ class EvalSpec:
     dataset: str  # data file (native, AIME or DAPO layout)
     n: int  # samples per question (the group size of the eval rollout)
     mode: str  # retool (tool enabled) | text-only (no tool, one turn, the same budget)
+    sft: bool = False  # evaluate the cold-start checkpoint (step -1) instead of the base model
 
     def __post_init__(self) -> None:
         if self.n <= 0:
@@ -48,7 +49,7 @@ def rollout_settings(settings: RunSettings, evaluation: EvalSpec | None) -> RunS
 def step_folder(settings: RunSettings, step: int, evaluation: EvalSpec | None = None) -> Path:
     if evaluation is None:
         return settings.run_dir / f"step={step:04d}"
-    name = "base" if step < 0 else f"{step:04d}"
+    name = ("sft" if evaluation.sft else "base") if step < 0 else f"{step:04d}"
     return settings.run_dir / "eval" / Path(evaluation.dataset).stem / f"{evaluation.mode}-n{evaluation.n}" / f"step={name}"
 
 
@@ -56,11 +57,29 @@ def checkpoint_dir(settings: RunSettings, step: int) -> Path:
     return step_folder(settings, step) / "checkpoint"
 
 
+def sft_folder(settings: RunSettings) -> Path:
+    return settings.run_dir / "sft"
+
+
+def sft_checkpoint(settings: RunSettings) -> Path:
+    return sft_folder(settings) / "checkpoint"
+
+
 def policy_checkpoint(settings: RunSettings, step: int, evaluation: EvalSpec | None) -> Path | None:
-    """Training step s samples from checkpoint s-1; an evaluation of step s from checkpoint s;
-    step 0 of training and step -1 of an evaluation from the base model."""
+    """Training step s samples from checkpoint s-1, step 0 from the cold-start checkpoint (if the run
+    has one) or the base model; an evaluation of step s from checkpoint s, of step -1 from the base
+    model or (sft) the cold-start checkpoint."""
     source = step if evaluation is not None else step - 1
-    return checkpoint_dir(settings, source) if source >= 0 else None
+    if source >= 0:
+        return checkpoint_dir(settings, source)
+    wants_sft = evaluation.sft if evaluation is not None else settings.cold_start
+    return sft_checkpoint(settings) if wants_sft else None
+
+
+def rl_base_model(settings: RunSettings) -> Path:
+    """The weights RL starts from, which LoRA adapters of its checkpoints apply to: the cold-start
+    checkpoint's full weights, or the model setting."""
+    return sft_checkpoint(settings) / "model" if settings.cold_start else resolve_model(settings.model)
 
 
 def step_examples(settings: RunSettings, step: int, evaluation: EvalSpec | None) -> list[MathExample]:

@@ -6,14 +6,17 @@ from functools import lru_cache
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from jobs.evaluation import summarize_eval
+from jobs.atomic import write_text_atomically
+from jobs.evaluation import before_after_markdown, paired_difference, summarize_eval
 from jobs.metrics import describe_step, export_tensorboard, metrics_table, stage_seconds, step_metrics
 from jobs.protocol import ChatProtocol, load_tokenizer
 from jobs.runs import EvalSpec, step_folder
 from jobs.sandbox import Sandbox, SandboxConfig
 from jobs.settings import RunSettings, check_machine, freeze, resolve_model
 from jobs.stages import RoundFiles
+from jobs.report import make_report
 from jobs.tables import OBSERVATIONS, SAMPLES, TRAJECTORIES, read_table, write_table_atomically
 from jobs.trainer import StepMetrics
 
@@ -72,6 +75,21 @@ def metrics_stage(settings: RunSettings, step: int, training: StepMetrics) -> st
 
 
 def evaluate_stage(trajectories: pa.Table, evaluation: EvalSpec, step: int, out: str | Path) -> dict:
-    summary = {"dataset": evaluation.dataset, "mode": evaluation.mode, "step": step, **summarize_eval(trajectories, evaluation.n)}
+    policy = ("sft" if evaluation.sft else "base") if step < 0 else f"step {step}"
+    summary = {"dataset": evaluation.dataset, "mode": evaluation.mode, "step": step, "policy": policy, **summarize_eval(trajectories, evaluation.n)}
     write_table_atomically(pa.Table.from_pylist([summary]), out)
     return summary
+
+
+def before_after_stage(settings: RunSettings, evaluations: list[tuple[str, Path]], out: Path, report: Path) -> str:
+    """The before/after table of a run's evaluations (label, evaluation folder; the first is the
+    reference of the paired differences, the last the final policy), written to `out`; then the
+    run's report, evaluations included, under `report`. Returns the table."""
+    summaries = [(label, pq.read_table(folder / "summary.parquet").to_pylist()[0]) for label, folder in evaluations]
+    trajectories = {label: read_table(folder / "trajectories.parquet", TRAJECTORIES) for label, folder in evaluations}
+    (final, _), earlier = evaluations[-1], evaluations[:-1]
+    differences = [(f"{final} - {label}", paired_difference(trajectories[label], trajectories[final])) for label, _ in earlier]
+    table = before_after_markdown(summaries, differences)
+    write_text_atomically(out, table)
+    make_report(settings.run_dir, report)
+    return table

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from jobs.cold_start import ColdStartConfig
 from jobs.rollout import RolloutConfig
 from jobs.sandbox import SandboxConfig
 from jobs.trainer import TrainerConfig
@@ -61,6 +62,12 @@ class RunSettings:
     train_processes: int = 1  # > 1 trains under torchrun with that many processes
     keep_last: int = 3  # checkpoints that keep their weights and optimizer state
     keep_every: int = 0  # also keep those of every N-th step (0 = none)
+    cold_start_data: str = ""  # JSONL of tool-integrated solutions to fine-tune on before RL; "" = RL from `model`
+    sft_steps: int = 8  # optimizer steps of the cold start
+    sft_batch_size: int = 8  # conversations per cold-start step
+    sft_learning_rate: float = 1e-4
+    sft_lora_rank: int = 32  # LoRA rank of the cold start (merged into full weights at its end); 0 = full fine-tune
+    sft_save_every: int = 4  # cold-start steps between resume points; 0 = none
     sandbox_timeout_seconds: float = 10.0
     sandbox_memory_mb: int = 2048
     sandbox_workers: int = 4
@@ -79,6 +86,8 @@ class RunSettings:
             self.rollout_config()
             self.sandbox_config()
             self.trainer_config()
+            self.sft_trainer_config()
+            self.cold_start_config()
         except ValueError as error:
             raise SettingsError(str(error)) from None
 
@@ -89,6 +98,18 @@ class RunSettings:
     def trainer_config(self) -> TrainerConfig:
         names = {f.name for f in fields(TrainerConfig)} - {"dtype"}
         return TrainerConfig(dtype=self.trainer_dtype, **{name: value for name, value in asdict(self).items() if name in names})
+
+    def sft_trainer_config(self) -> TrainerConfig:
+        """The cold start trains through the same trainer, with the supervised objective."""
+        return replace(self.trainer_config(), objective="sft", lora_rank=self.sft_lora_rank, learning_rate=self.sft_learning_rate,
+                       loss_aggregation="token_mean", tis_cap=0.0)
+
+    def cold_start_config(self) -> ColdStartConfig:
+        return ColdStartConfig(steps=self.sft_steps, batch_size=self.sft_batch_size, save_every=self.sft_save_every, seed=self.data_seed)
+
+    @property
+    def cold_start(self) -> bool:
+        return bool(self.cold_start_data)
 
     def sandbox_config(self) -> SandboxConfig:
         return SandboxConfig(timeout_seconds=self.sandbox_timeout_seconds, cpu_seconds=max(1, int(self.sandbox_timeout_seconds)),
@@ -115,8 +136,9 @@ def check_machine(settings: RunSettings) -> None:
     resolve_model(settings.model)
     if settings.chat_template and not Path(settings.chat_template).is_file():
         raise SettingsError(f"setting chat_template = {settings.chat_template!r}: no such file")
-    if not Path(settings.train_data).is_file():
-        raise SettingsError(f"setting train_data = {settings.train_data!r}: no such file")
+    for name in ("train_data", "cold_start_data"):
+        if getattr(settings, name) and not Path(getattr(settings, name)).is_file():
+            raise SettingsError(f"setting {name} = {getattr(settings, name)!r}: no such file")
 
 
 def resolve_model(model: str) -> Path:
@@ -143,7 +165,9 @@ def freeze(settings: RunSettings) -> None:
     path = settings.run_dir / "config.json"
     wanted = settings.frozen()
     if path.exists():
-        frozen = json.loads(path.read_text())
+        # A setting added after the run was frozen counts as frozen at its default: old runs need no migration.
+        defaults = {f.name: f.default for f in fields(RunSettings)}
+        frozen = {**{key: defaults[key] for key in wanted}, **json.loads(path.read_text())}
         differing = sorted(key for key in set(frozen) | set(wanted) if frozen.get(key) != wanted.get(key))
         if differing:
             details = ", ".join(f"{key}={wanted.get(key)!r} (frozen: {frozen.get(key)!r})" for key in differing)

@@ -95,6 +95,27 @@ class TableError(ValueError):
     """A Parquet file in the run folder is damaged or not what the pipeline wrote."""
 
 
+SFT_EXAMPLES = pa.schema([
+    ("example_id", pa.string()),
+    ("line", pa.int32()),  # line of the cold-start data file
+    ("num_turns", pa.int32()),
+    ("code_calls", pa.int32()),
+    ("input_tokens", TOKENS),  # the rendered conversation, less its last token
+    ("target_tokens", TOKENS),  # shifted by one
+    ("loss_mask", pa.list_(pa.bool_())),  # True on targets the assistant emits; tool output and template tokens False
+    ("num_tokens", pa.int32()),
+])
+
+SFT_LOSSES = pa.schema([
+    ("step", pa.int32()),
+    ("loss", pa.float64()),  # mean token NLL of the step's batch, before its update
+    ("examples", pa.int32()),
+    ("loss_tokens", pa.int32()),
+    ("grad_norm", pa.float64()),  # before clipping
+    ("seconds", pa.float64()),
+])
+
+
 def table_from_rows(rows: Sequence[dict[str, Any]], schema: pa.Schema) -> pa.Table:
     return pa.Table.from_pylist(list(rows), schema=schema)
 

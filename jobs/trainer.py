@@ -1,4 +1,4 @@
-"""One PPO step: the policy (base model + LoRA, or full fine-tune), the clipped loss on sampled tokens,
+"""One training step, PPO or supervised (the cold start): the policy (base model + LoRA, or full fine-tune), the clipped loss on sampled tokens,
 gradient accumulation over micro-batches, data parallel over torch.distributed, checkpoints.
 
 `torchrun --nproc-per-node K -m jobs.trainer ...` trains one step on K processes (gloo on CPU, NCCL on
@@ -15,6 +15,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,8 +25,12 @@ from jobs.datums import Datum
 from jobs.packing import LOSS_AGGREGATIONS, MicroBatch, loss_token_weights, pack_micro_batches
 
 
+OBJECTIVES = ("ppo", "sft")
+
+
 @dataclass(frozen=True)
 class TrainerConfig:
+    objective: str = "ppo"  # ppo (clipped surrogate on sampled tokens) | sft (negative log-likelihood, the cold start)
     lora_rank: int = 32  # 0 trains every weight
     lora_alpha: int = 64
     learning_rate: float = 4e-5
@@ -47,6 +52,8 @@ class TrainerConfig:
             raise ValueError(f"TrainerConfig needs lora_rank >= 0, learning_rate > 0, max_grad_norm > 0; got {self}")
         if not 0 < self.clip_low < 1 or self.clip_high <= 0:
             raise ValueError(f"TrainerConfig clip thresholds must satisfy 0 < clip_low < 1 and clip_high > 0, got {self.clip_low}, {self.clip_high}")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"TrainerConfig.objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.loss_aggregation not in LOSS_AGGREGATIONS:
             raise ValueError(f"TrainerConfig.loss_aggregation must be one of {LOSS_AGGREGATIONS}, got {self.loss_aggregation!r}")
         if self.micro_batch_items <= 0 or self.micro_batch_tokens <= 0:
@@ -155,20 +162,29 @@ def ppo_token_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantage
     return loss, clipped
 
 
+def token_loss(logprobs: torch.Tensor, tensors: dict[str, torch.Tensor], config: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss of the configured objective, and where PPO clipping was active."""
+    if config.objective == "sft":
+        return -logprobs, torch.zeros_like(logprobs, dtype=torch.bool)
+    return ppo_token_loss(logprobs, tensors["old_logprobs"], tensors["advantages"], config)
+
+
 def accumulate_gradients(model, datums: list[Datum], batches: list[MicroBatch], weights: list[float], config: TrainerConfig, device: str = "cpu") -> torch.Tensor:
     """Backward over this process's share of the micro-batches; gradients add up in .grad. Returns
-    sums over its loss tokens: loss, clipped tokens, |logprob gap|, k3 KL, loss tokens."""
+    sums over its loss tokens: loss, clipped tokens, |logprob gap|, k3 KL, loss tokens (the gap and
+    KL against the sampler's logprobs, which supervised data does not have: 0 for sft)."""
     rank, world = _rank_and_world()
     totals = torch.zeros(5, dtype=torch.float64, device=device)
     for batch in batches[rank::world]:
         tensors = _micro_batch_tensors(datums, batch, weights, device)
-        logprobs = token_logprobs(model, tensors["input_ids"], tensors["attention_mask"], tensors["targets"], where=tensors["weights"] > 0)
-        token_loss, clipped = ppo_token_loss(logprobs, tensors["old_logprobs"], tensors["advantages"], config)
-        (token_loss * tensors["weights"]).sum().backward()
         mask = tensors["weights"] > 0
-        log_ratio = (logprobs.detach() - tensors["old_logprobs"])[mask]
+        logprobs = token_logprobs(model, tensors["input_ids"], tensors["attention_mask"], tensors["targets"], where=mask)
+        loss, clipped = token_loss(logprobs, tensors, config)
+        (loss * tensors["weights"]).sum().backward()
+        sampled = logprobs.detach() if config.objective == "ppo" else tensors["old_logprobs"]
+        log_ratio = (sampled - tensors["old_logprobs"])[mask]
         totals += torch.stack([
-            (token_loss.detach() * tensors["weights"]).sum(), clipped[mask].sum(), log_ratio.abs().sum(),
+            (loss.detach() * tensors["weights"]).sum(), clipped[mask].sum(), log_ratio.abs().sum(),
             (torch.exp(log_ratio) - 1 - log_ratio).sum(), mask.sum(),
         ]).to(totals)
     return totals
@@ -221,14 +237,18 @@ def restore_rng(path: Path) -> None:
         torch.set_rng_state(state["torch"])
 
 
-def save_checkpoint(folder: Path, model, optimizer, metrics: StepMetrics, config: TrainerConfig, tokenizer_source: Path) -> None:
+def save_checkpoint(folder: Path, model, optimizer, metrics: StepMetrics, config: TrainerConfig, tokenizer_source: Path,
+                    extra: dict[str, Any] | None = None) -> None:
     """Writes the whole checkpoint beside its final place, marks it _SUCCESS, then renames it: a
-    killed write leaves no folder that looks complete."""
+    killed write leaves no folder that looks complete. A PEFT model saves its adapter, any other
+    model its full weights with the tokenizer; `extra` adds JSON files."""
     for stale in folder.parent.glob(f".{folder.name}.tmp-*"):  # left by a writer that was killed
         shutil.rmtree(stale, ignore_errors=True)
     temporary = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     temporary.mkdir(parents=True)
-    if config.lora_rank:
+    for name, value in (extra or {}).items():
+        (temporary / name).write_text(json.dumps(value, indent=1) + "\n")
+    if hasattr(model, "peft_config"):
         model.save_pretrained(temporary / "adapter")
     else:
         model.save_pretrained(temporary / "model")
@@ -243,10 +263,6 @@ def save_checkpoint(folder: Path, model, optimizer, metrics: StepMetrics, config
     if folder.exists():
         shutil.rmtree(folder)  # an incomplete or stale checkpoint from an earlier attempt
     temporary.rename(folder)
-
-
-def is_complete_checkpoint(folder: Path) -> bool:
-    return (folder / "_SUCCESS").exists()
 
 
 def prune_checkpoints(checkpoints: list[tuple[int, Path]], keep_last: int, keep_every: int) -> list[Path]:

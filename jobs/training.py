@@ -1,5 +1,5 @@
-"""The TrainStep stage: one PPO step from a step's datums, in-process or under torchrun, then the
-checkpoint retention policy."""
+"""The training stages: the cold start (SFT examples, then supervised fine-tuning), and TrainStep (one
+PPO step from a step's datums, in-process or under torchrun, then the checkpoint retention policy)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,29 @@ import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
+import pyarrow as pa
+
+from jobs.cold_start import read_conversations, sft_datums, sft_examples_table, train_cold_start
+from jobs.protocol import ChatProtocol
 from jobs.rollout import zero_variance_groups
-from jobs.runs import checkpoint_dir, step_folder
+from jobs.runs import checkpoint_dir, rl_base_model, sft_checkpoint, sft_folder, step_folder
 from jobs.settings import RunSettings, resolve_model
 from jobs.stages import datums_from_table
-from jobs.tables import DATUMS, TRAJECTORIES, read_table
+from jobs.tables import DATUMS, SFT_EXAMPLES, TRAJECTORIES, read_table
 from jobs.trainer import StepMetrics, prune_checkpoints, train_from_files
+
+
+def sft_examples_stage(settings: RunSettings, protocol: ChatProtocol) -> tuple[pa.Table, int]:
+    """The cold-start conversations rendered as SFT examples; how many did not fit the budgets."""
+    return sft_examples_table(read_conversations(settings.cold_start_data), protocol, settings.rollout_config())
+
+
+def cold_start_stage(settings: RunSettings, device: str, on_step=None) -> list[dict]:
+    """Supervised fine-tuning of the model setting on the SFT examples; resumes where it was stopped."""
+    folder = sft_folder(settings)
+    datums = sft_datums(read_table(folder / "examples.parquet", SFT_EXAMPLES))
+    return train_cold_start(resolve_model(settings.model), datums, settings.sft_trainer_config(), settings.cold_start_config(),
+                            sft_checkpoint(settings), folder / "progress", device, on_step)
 
 
 def train_stage(settings: RunSettings, step: int, device: str) -> StepMetrics:
@@ -25,7 +42,7 @@ def train_stage(settings: RunSettings, step: int, device: str) -> StepMetrics:
     num_trajectories = scored.num_rows
     zero_variance = zero_variance_groups(zip(scored.column("question_index").to_pylist(), scored.column("reward").to_pylist()))
     out = checkpoint_dir(settings, step)
-    base_model = resolve_model(settings.model)
+    base_model = rl_base_model(settings)
     if settings.train_processes == 1:
         datums = datums_from_table(read_table(folder / "datums.parquet", DATUMS))
         metrics = train_from_files(base_model, datums, num_trajectories, previous, out, settings.trainer_config(), device, zero_variance)

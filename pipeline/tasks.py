@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import luigi
 
+from jobs.cold_start import describe_cold_start, losses_table
 from jobs.engines import get_sampler
 from jobs.evaluation import EVAL_MODES, describe_eval
 from jobs.metrics import record_stage_seconds
 from jobs.report import make_report
-from jobs.runs import EvalSpec, policy_checkpoint, rollout_settings, step_examples, step_folder
-from jobs.runtime import evaluate_stage, metrics_stage, prepare_run, protocol_for, read_round_files, sandbox_for
+from jobs.runs import EvalSpec, policy_checkpoint, rollout_settings, sft_folder, step_examples, step_folder
+from jobs.runtime import before_after_stage, evaluate_stage, metrics_stage, prepare_run, protocol_for, read_round_files, sandbox_for
 from jobs.stages import datums_table, describe, execute_round, prompts_table, replay, sample_round, score_step
 from jobs.tables import PROMPTS, SAMPLES, TRAJECTORIES, parquet_seconds, read_table, write_table_atomically
-from jobs.training import describe_metrics, train_stage
+from jobs.settings import SettingsError
+from jobs.training import cold_start_stage, describe_metrics, sft_examples_stage, train_stage
 from pipeline.config import current_settings
 
 
@@ -25,6 +27,7 @@ class RunTask(luigi.Task):
     dataset = luigi.Parameter(default="", description="evaluation data file; empty for training")
     n = luigi.IntParameter(default=0, description="evaluation samples per question")
     mode = luigi.ChoiceParameter(choices=EVAL_MODES, default="retool", description="evaluation mode")
+    sft = luigi.BoolParameter(default=False, description="with --step -1: evaluate the cold-start checkpoint, not the base model")
 
     @property
     def run_settings(self):
@@ -32,7 +35,9 @@ class RunTask(luigi.Task):
 
     @property
     def evaluation(self) -> EvalSpec | None:
-        return EvalSpec(self.dataset, self.n, self.mode) if self.dataset else None
+        if self.sft and (self.step != -1 or not self.run_settings.cold_start):
+            raise SettingsError("--sft evaluates the cold-start checkpoint: it needs --step -1 and a run with cold_start_data set")
+        return EvalSpec(self.dataset, self.n, self.mode, self.sft) if self.dataset else None
 
     @property
     def settings(self):
@@ -58,7 +63,7 @@ class RunTask(luigi.Task):
         """The task as users name it: training tasks without the (empty) evaluation parameters."""
         params = self.to_str_params(only_significant=True)
         if not self.dataset:
-            params = {k: v for k, v in params.items() if k not in ("dataset", "n", "mode")}
+            params = {k: v for k, v in params.items() if k not in ("dataset", "n", "mode", "sft")}
         return f"{self.task_family}({', '.join(f'{k}={v}' for k, v in params.items())})"
 
     def write(self, table) -> None:
@@ -70,6 +75,15 @@ class RunTask(luigi.Task):
         settings = self.settings
         prompts = read_table(self.folder / "prompts.parquet", PROMPTS)
         return replay(prompts, read_round_files(self.folder, shard, rounds), protocol_for(settings), settings.rollout_config(), shard, settings.shards)
+
+    def policy_task(self) -> list[luigi.Task]:
+        """The task that makes the policy this rollout samples from (none for the base model)."""
+        policy = policy_checkpoint(self.run_settings, self.step, self.evaluation)
+        if policy is None:
+            return []
+        if policy.parent == sft_folder(self.run_settings):
+            return [ColdStart()]
+        return [TrainStep(step=self.step if self.evaluation else self.step - 1)]
 
     def all_trajectories(self):
         settings = self.settings
@@ -104,8 +118,7 @@ class SampleRound(RunTask):
 
     def requires(self):
         state = self.clone(Prompts) if self.round == 0 else self.clone(ExecuteRound, round=self.round - 1)
-        policy = policy_checkpoint(self.run_settings, self.step, self.evaluation)
-        return [state] + ([TrainStep(step=self.step if self.evaluation else self.step - 1)] if policy else [])
+        return [state] + self.policy_task()
 
     def output(self):
         return self.target(f"shard={self.shard:02d}/round={self.round:02d}/samples.parquet")
@@ -164,7 +177,7 @@ class TrainStep(RunTask):
     Also writes the step's metrics.parquet and prints them as one line."""
 
     def requires(self):
-        return [self.clone(BuildDatums)] + ([TrainStep(step=self.step - 1)] if self.step > 0 else [])
+        return [self.clone(BuildDatums)] + self.policy_task()
 
     def output(self):
         """The checkpoint's marker and the step's metrics: a run killed between the two trains the
@@ -175,6 +188,50 @@ class TrainStep(RunTask):
         self.set_status_message("training one PPO step")
         training = train_stage(self.settings, self.step, self.settings.device)
         self.summary = f"{describe_metrics(training)}\n  {metrics_stage(self.settings, self.step, training)}"
+
+
+class SFTExamples(RunTask):
+    """The cold-start conversations rendered through the rollout's protocol: sft/examples.parquet."""
+
+    step = luigi.IntParameter(default=-1, significant=False)
+
+    @property
+    def folder(self):
+        return sft_folder(self.run_settings)
+
+    def output(self):
+        return self.target("examples.parquet")
+
+    def run(self):
+        table, skipped = sft_examples_stage(self.run_settings, protocol_for(self.run_settings))
+        if not table.num_rows:
+            raise SettingsError(f"setting cold_start_data = {self.run_settings.cold_start_data!r}: no conversation fits the run's budgets")
+        self.write(table)
+        self.summary += f" ({skipped} conversations over the budgets or turn limits, left out)" if skipped else ""
+
+
+class ColdStart(RunTask):
+    """Supervised fine-tuning on the SFT examples: sft/checkpoint/ (full weights; the policy RL
+    starts from) and the loss of every step in sft/losses.parquet. Resumes from sft/progress/."""
+
+    step = luigi.IntParameter(default=-1, significant=False)
+
+    @property
+    def folder(self):
+        return sft_folder(self.run_settings)
+
+    def requires(self):
+        return SFTExamples()
+
+    def output(self):
+        return [self.target("checkpoint/_SUCCESS"), self.target("losses.parquet")]
+
+    def run(self):
+        steps = self.run_settings.sft_steps
+        on_step = lambda row: self.set_status_message(f"cold start: step {row['step'] + 1}/{steps}, loss {row['loss']:.3f}")  # noqa: E731
+        losses = cold_start_stage(self.run_settings, self.run_settings.device, on_step)
+        write_table_atomically(losses_table(losses), self.output()[1].path)
+        self.summary = describe_cold_start(losses)
 
 
 class Evaluate(RunTask):
@@ -208,3 +265,31 @@ class Report(RunTask):
     def run(self):
         self.summary = f"plots and summary of {self.step + 1} steps"
         make_report(self.run_settings.run_dir, self.output().path.rsplit("/", 1)[0])
+
+
+class BeforeAfter(RunTask):
+    """Training through step `step`, then the base model, the cold-start checkpoint (if the run has
+    one) and checkpoint `step` evaluated on the same held-out questions: a before/after table in the
+    evaluations' folder, printed, and the run's report with the evaluations."""
+
+    dataset = luigi.Parameter(default="data/synthetic_eval.jsonl")
+    n = luigi.IntParameter(default=4)
+
+    def evaluations(self) -> list[tuple[str, Evaluate]]:
+        policies = [("base", -1, False)] + ([("SFT", -1, True)] if self.run_settings.cold_start else []) + [(f"RL step {self.step}", self.step, False)]
+        return [(label, Evaluate(step=step, sft=sft, dataset=self.dataset, n=self.n, mode=self.mode)) for label, step, sft in policies]
+
+    def requires(self):
+        return [task for _, task in self.evaluations()]
+
+    @property
+    def folder(self):
+        return self.evaluations()[-1][1].folder.parent
+
+    def output(self):
+        return self.target(f"before_after-step={self.step:04d}.md")
+
+    def run(self):
+        evaluations = [(label, task.folder) for label, task in self.evaluations()]
+        report = self.run_settings.run_dir / "report" / f"step={self.step:04d}"
+        self.summary = "\n" + before_after_stage(self.run_settings, evaluations, self.output().path, report)

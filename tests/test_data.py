@@ -102,14 +102,14 @@ def test_synthetic_answers_are_exact():
     from jobs.synthetic import conditional_count, linear_recurrence, modular_power
 
     rng = random.Random(0)
-    question, answer = modular_power(rng)
+    problem = modular_power(rng)
+    question, answer = problem.question, problem.answer
     base, rest = question.split("$")[1].split("^{")
     exponent, modulus = rest.split("}")[0], question.split("$")[3]
     assert answer == pow(int(base), int(exponent), int(modulus))
-    question, answer = conditional_count(random.Random(1))
-    assert 0 < answer < int(question.split("\\le ")[2].split("$")[0])
-    _, answer = linear_recurrence(random.Random(2))
-    assert answer >= 0
+    problem = conditional_count(random.Random(1))
+    assert 0 < problem.answer < int(problem.question.split("\\le ")[2].split("$")[0])
+    assert linear_recurrence(random.Random(2)).answer >= 0
 
 
 def test_shipped_data_sets_load():

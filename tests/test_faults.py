@@ -26,7 +26,8 @@ def write_config(path: Path, runs: Path, model: Path, run: str) -> Path:
         "chat_template": BUNDLED_TEMPLATE, "train_data": REPO / "data/synthetic_eval.jsonl", "questions_per_step": 3,
         "group_size": 3, "max_code_calls": 2, "max_assistant_turns": 3, "max_trajectory_tokens": 900, "max_assistant_tokens": 96,
         "max_tool_response_tokens": 48, "trainer_max_tokens": 1024, "lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3,
-        "micro_batch_items": 2, "sandbox_workers": 2,
+        "micro_batch_items": 2, "sandbox_workers": 2, "cold_start_data": REPO / "data/synthetic_sft.jsonl", "sft_steps": 2,
+        "sft_batch_size": 2, "sft_save_every": 1, "sft_lora_rank": 4,
     }
     path.write_text("[retool]\n" + "".join(f"{key} = {value}\n" for key, value in settings.items()))
     return path
@@ -47,7 +48,7 @@ def outputs(run_folder: Path) -> dict[str, object]:
             continue
         table = pq.read_table(path)
         found[str(path.relative_to(run_folder))] = table.drop_columns(["exec_seconds"]) if "exec_seconds" in table.column_names else table
-    for path in sorted(run_folder.rglob("adapter_model.safetensors")):
+    for path in sorted([*run_folder.rglob("adapter_model.safetensors"), *run_folder.rglob("model.safetensors")]):
         found[str(path.relative_to(run_folder))] = load_file(path)
     return found
 
@@ -118,6 +119,11 @@ def test_a_run_killed_at_every_stage_finishes_with_the_rows_of_an_uninterrupted_
         for kind in ("publishing", "writing"):
             assert f"{kind} {runs / 'faulty' / step / 'checkpoint'}" in points, (step, kind, points)
     assert [p for p in points if p.startswith("training")] == ["training step 0", "training step 1"]
+    sft = runs / "faulty" / "sft"
+    for point in ("cold start started", "cold start past its resume point", f"publishing {sft / 'examples.parquet'}", f"publishing {sft / 'progress'}",
+                  f"writing {sft / 'progress'}", f"writing {sft / 'checkpoint'}", f"publishing {sft / 'checkpoint'}",
+                  f"publishing {sft / 'losses.parquet'}"):
+        assert point in points, (point, points)
 
     expected, actual = outputs(runs / "reference"), outputs(runs / "faulty")
     assert expected.keys() == actual.keys()
@@ -127,3 +133,4 @@ def test_a_run_killed_at_every_stage_finishes_with_the_rows_of_an_uninterrupted_
         else:
             assert value.equals(actual[name]), name
     assert any("datums.parquet" in name for name in expected) and any("adapter" in name for name in expected)
+    assert "sft/checkpoint/model/model.safetensors" in expected

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from jobs.rollout import rollout_in_memory
 from jobs.runtime import protocol_for, sandbox_for
 from jobs.sampling import ScriptedSampler
 from jobs.stages import observation_row, trajectories_table
-from jobs.tables import OBSERVATIONS, SAMPLES, TRAJECTORIES, read_table, table_from_rows
+from jobs.tables import OBSERVATIONS, SAMPLES, SFT_LOSSES, TRAJECTORIES, read_table, table_from_rows
 from pipeline import ScoreTrajectories
 from pipeline.config import current_settings
 from tests.helpers import scripted, tool_call_text
@@ -260,3 +261,37 @@ def test_train_step_writes_the_step_metrics(configure, monkeypatch):
     assert all(0 < t["parquet_seconds"] < t["seconds"] for t in timings if t["stage"] != "TrainStep")  # every other stage reads and writes Parquet
     assert metrics["sandbox_containment"].startswith(("namespaces", "NO namespaces"))
     assert sum(metrics[f"stop_{r}"] for r in ("answer", "invalid", "max_code_calls", "max_turns", "token_budget", "observation_over_budget", "prompt_over_budget")) == 9
+
+
+def test_step_zero_samples_from_and_trains_on_top_of_the_cold_start(configure, monkeypatch):
+    from jobs.runs import rl_base_model, sft_checkpoint
+    from pipeline import ColdStart, TrainStep
+
+    settings = configure(run="cold", cold_start_data=str(REPO / "data/synthetic_sft.jsonl"), sft_steps=2, sft_batch_size=2,
+                         sft_lora_rank=0, lora_rank=4, lora_alpha=8, max_assistant_tokens=200, max_tool_response_tokens=128)
+    policies = []
+
+    def recording_sampler(settings, policy=None):
+        policies.append(policy)
+        return tool_policy(settings)
+
+    monkeypatch.setattr(pipeline.tasks, "get_sampler", recording_sampler)
+    assert luigi.build([TrainStep(step=1)], local_scheduler=True, workers=1, log_level="WARNING")
+    assert ColdStart().complete() and read_table(settings.run_dir / "sft/losses.parquet", SFT_LOSSES).num_rows == 2
+    step_zero, step_one = step_dir(settings, 0) / "checkpoint", step_dir(settings, 1) / "checkpoint"
+    assert set(policies) == {sft_checkpoint(settings), step_zero}
+    assert rl_base_model(settings) == sft_checkpoint(settings) / "model"
+    config = json.loads((step_zero / "adapter" / "adapter_config.json").read_text())
+    assert Path(config["base_model_name_or_path"]) == rl_base_model(settings)  # RL's LoRA sits on the cold start's weights
+    assert (step_one / "_SUCCESS").exists()
+
+
+def test_a_bad_cold_start_file_fails_once_with_its_line_and_writes_nothing(configure, tmp_path):
+    from pipeline import SFTExamples
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "1"}]}\n')
+    settings = configure(run="bad-cold", cold_start_data=str(bad))
+    result = luigi.build([SFTExamples()], local_scheduler=True, workers=1, log_level="WARNING", detailed_summary=True)
+    assert not result.scheduling_succeeded
+    assert not (settings.run_dir / "sft").exists() or not list((settings.run_dir / "sft").glob("*.parquet"))

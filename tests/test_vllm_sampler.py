@@ -92,3 +92,35 @@ def test_a_lora_checkpoint_is_served_as_a_fresh_adapter(engine, tiny_model_dir, 
             assert max(abs(a - b) for a, b in zip(expected, sequence.logprobs)) < 1e-3
     engine.use_policy(None)
     assert engine.lora_request is None
+
+
+def max_gap(engine, model, request) -> float:
+    """The largest difference between the engine's logprobs of its own sample and `model`'s."""
+    sequence = engine.sample([request], SamplingSettings())[0][0]
+    ids = torch.tensor([list(request.prompt_tokens) + list(sequence.tokens)])
+    with torch.no_grad():
+        logprobs = model(ids).logits[0].float().log_softmax(-1)
+    start = len(request.prompt_tokens) - 1
+    return max(abs(logprobs[start + i, token].item() - value) for i, (token, value) in enumerate(zip(sequence.tokens, sequence.logprobs)))
+
+
+def test_full_weights_and_an_adapter_over_them_are_served_exactly(engine, tiny_model_dir, tmp_path):
+    """A full fine-tune (the cold start), then a LoRA trained on top of it (RL): the engine serves each
+    exactly, the adapter over the weights it was trained on, not over the engine's own model."""
+    from jobs.trainer import TrainerConfig, load_policy, save_checkpoint, train_step
+    from tests.test_trainer import on_policy_datums
+
+    full = TrainerConfig(lora_rank=0, learning_rate=1e-2)
+    model, optimizer = load_policy(tiny_model_dir, None, full)
+    metrics = train_step(model, optimizer, on_policy_datums(model), full, num_trajectories=2)
+    save_checkpoint(tmp_path / "full", model, optimizer, metrics, full, tiny_model_dir)
+    engine.use_policy(tmp_path / "full")
+    assert max_gap(engine, model.eval(), requests()[0]) < 1e-4
+
+    lora = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2)
+    model, optimizer = load_policy(tmp_path / "full" / "model", None, lora)
+    metrics = train_step(model, optimizer, on_policy_datums(model), lora, num_trajectories=2)
+    save_checkpoint(tmp_path / "adapter", model, optimizer, metrics, lora, tmp_path / "full" / "model")
+    engine.use_policy(tmp_path / "adapter", tmp_path / "full" / "model")
+    assert max_gap(engine, model.eval(), requests()[0]) < 1e-3
+    engine.use_policy(None)
