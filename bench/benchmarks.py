@@ -228,7 +228,7 @@ def bench_sampler(workdir: Path) -> list[tuple[str, str]]:
     return rows
 
 
-LEARNING_STEPS = 12  # RL steps of the learning benchmark
+LEARNING_STEPS = 8  # RL steps of the learning benchmark
 LEARNING_SAMPLES = 4  # evaluation samples per held-out question
 
 

@@ -100,8 +100,12 @@ def worst_trajectories(run: str | Path, count: int = 10) -> pl.DataFrame:
 
 
 def eval_by_checkpoint(run: str | Path) -> pl.DataFrame:
-    """Every evaluation summary of the run: data set, mode, checkpoint step (-1 = base), metrics."""
+    """Every evaluation summary of the run: data set, mode, checkpoint step (-1 = base or the cold start),
+    metrics, and `position`, the policy's place in training order (base -2, cold start -1, then steps)."""
     paths = sorted(Path(run).glob("eval/*/*/step=*/summary.parquet"))
     if not paths:
-        return _empty(dataset=pl.String, mode=pl.String, step=pl.Int64)
-    return pl.concat([pl.read_parquet(path) for path in paths], how="diagonal_relaxed").sort("dataset", "mode", "n", "step")
+        return _empty(dataset=pl.String, mode=pl.String, step=pl.Int64, position=pl.Int64)
+    evals = pl.concat([pl.read_parquet(path) for path in paths], how="diagonal_relaxed")
+    is_sft = pl.col("policy") == "sft" if "policy" in evals.columns else pl.lit(False)
+    position = pl.when(pl.col("step") >= 0).then(pl.col("step")).when(is_sft).then(-1).otherwise(-2)
+    return evals.with_columns(position.alias("position")).sort("dataset", "mode", "n", "position")

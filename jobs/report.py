@@ -91,11 +91,11 @@ def plot_eval(evals: pl.DataFrame, path: Path) -> None:
     if evals.height:
         for (dataset, mode, n), group in evals.group_by("dataset", "mode", "n", maintain_order=True):
             name = f"{Path(dataset).stem} {mode}"
-            steps = group["step"].to_list()
+            positions = group["position"].to_list()
             for (column, label), (marker, linestyle) in zip((("average_at_n", f"Average@{n}"), ("pass_at_n", f"Pass@{n}"), ("format", "Format")), STYLES):
-                axis.plot(steps, group[column].to_list(), marker=marker, linestyle=linestyle, label=f"{name} {label}")
-        ticks = sorted(set(evals["step"].to_list()))
-        axis.set_xticks(ticks, ["base" if s < 0 else str(s) for s in ticks])
+                axis.plot(positions, group[column].to_list(), marker=marker, linestyle=linestyle, label=f"{name} {label}")
+        ticks = sorted(set(evals["position"].to_list()))
+        axis.set_xticks(ticks, [{-2: "base", -1: "SFT"}.get(t, str(t)) for t in ticks])
         axis.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
     else:
         axis.text(0.5, 0.5, "no evaluation yet (luigi --module pipeline Evaluate ...)", ha="center", va="center", transform=axis.transAxes)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from jobs.data import MathExample, read_examples, shuffled, take_batch
 from jobs.evaluation import EVAL_MODES
+from jobs.rollout import SEED_FIELDS
 from jobs.settings import RunSettings, SettingsError, resolve_model
 
 
@@ -37,6 +38,9 @@ def rollout_settings(settings: RunSettings, evaluation: EvalSpec | None) -> RunS
     if evaluation is None:
         return settings
     questions = len(_examples(evaluation.dataset))
+    limit = 2 ** dict(SEED_FIELDS)["question_index"]
+    if questions > limit:
+        raise SettingsError(f"evaluation dataset {evaluation.dataset}: {questions} questions, over the {limit} one evaluation can seed apart; split the file")
     text_only = evaluation.mode == "text-only"
     return replace(
         settings, seed=settings.seed ^ 0x8000,  # evaluation draws apart from training's draws

@@ -14,7 +14,7 @@ from jobs.metrics import describe_step, export_tensorboard, metrics_table, stage
 from jobs.protocol import ChatProtocol, load_tokenizer
 from jobs.runs import EvalSpec, step_folder
 from jobs.sandbox import Sandbox, SandboxConfig
-from jobs.settings import RunSettings, check_machine, freeze, resolve_model
+from jobs.settings import RunSettings, check_machine, check_training, freeze, resolve_model
 from jobs.stages import RoundFiles
 from jobs.report import make_report
 from jobs.tables import OBSERVATIONS, SAMPLES, TRAJECTORIES, read_table, write_table_atomically
@@ -24,6 +24,7 @@ from jobs.trainer import StepMetrics
 @lru_cache(maxsize=None)
 def prepare_run(settings: RunSettings) -> None:
     """Once per process and run: fail early on settings this machine cannot run, then freeze them."""
+    check_training(settings)
     check_machine(settings)
     freeze(settings)
     if settings.use_tools:

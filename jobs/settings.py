@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.cold_start import ColdStartConfig
-from jobs.rollout import RolloutConfig
+from jobs.rollout import SEED_FIELDS, RolloutConfig
 from jobs.sandbox import SandboxConfig
 from jobs.trainer import TrainerConfig
 
@@ -121,6 +121,18 @@ class RunSettings:
 
     def frozen(self) -> dict[str, Any]:
         return {key: value for key, value in asdict(self).items() if key not in OPERATIONAL}
+
+
+def check_training(settings: RunSettings) -> None:
+    """Rules for a training run's own settings (an evaluation's rollout may differ: n = 1 is fine there)."""
+    if settings.group_size < 2:
+        raise SettingsError(
+            f"setting group_size = {settings.group_size}: training needs at least 2 samples per question, since advantages "
+            "are rewards minus their group's mean and a group of one never has a learning signal"
+        )
+    limit = 2 ** dict(SEED_FIELDS)["question_index"]
+    if settings.questions_per_step > limit:
+        raise SettingsError(f"setting questions_per_step = {settings.questions_per_step} exceeds {limit}, the questions a step's seeds tell apart")
 
 
 def check_machine(settings: RunSettings) -> None:

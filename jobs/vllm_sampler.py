@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -99,7 +100,7 @@ class VLLMSampler:
             )
             for request in requests
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
+        outputs = self.llm.generate(prompts, params, use_tqdm=sys.stderr.isatty(), lora_request=self.lora_request)
         replies = []
         for output in outputs:
             sequences = []

@@ -227,11 +227,14 @@ class ColdStart(RunTask):
         return [self.target("checkpoint/_SUCCESS"), self.target("losses.parquet")]
 
     def run(self):
-        steps = self.run_settings.sft_steps
-        on_step = lambda row: self.set_status_message(f"cold start: step {row['step'] + 1}/{steps}, loss {row['loss']:.3f}")  # noqa: E731
-        losses = cold_start_stage(self.run_settings, self.run_settings.device, on_step)
+        losses = cold_start_stage(self.run_settings, self.run_settings.device, self.report_progress)
         write_table_atomically(losses_table(losses), self.output()[1].path)
         self.summary = describe_cold_start(losses)
+
+    def report_progress(self, row: dict) -> None:
+        line = f"cold start step {row['step'] + 1}/{self.run_settings.sft_steps}: loss {row['loss']:.3f}, {row['seconds']:.1f} s"
+        self.set_status_message(line)
+        print(line, flush=True)
 
 
 class Evaluate(RunTask):

@@ -58,3 +58,28 @@ def test_checkpoint_without_success_marker_is_trained_again(configure, monkeypat
     (checkpoint / "_SUCCESS").unlink()  # as if the writer died before finishing
     assert build_train(settings, 0, tool_policy(settings), monkeypatch)
     assert (checkpoint / "_SUCCESS").exists() and (checkpoint / "adapter/adapter_model.safetensors").read_bytes() == weights
+
+
+def test_a_training_group_of_one_is_refused_but_an_evaluation_with_n_1_runs():
+    from dataclasses import replace
+
+    from jobs.runs import EvalSpec, rollout_settings
+    from jobs.settings import RunSettings, SettingsError, check_training
+
+    with pytest.raises(SettingsError, match="group_size = 1: training needs at least 2 samples per question"):
+        check_training(RunSettings(group_size=1))
+    with pytest.raises(SettingsError, match="questions_per_step = 5000 exceeds 4096"):
+        check_training(replace(RunSettings(), questions_per_step=5000))
+    assert rollout_settings(RunSettings(), EvalSpec("data/synthetic_eval.jsonl", 1, "retool")).group_size == 1
+
+
+def test_an_evaluation_set_larger_than_the_seed_layout_names_the_file(tmp_path):
+    import json
+
+    from jobs.runs import EvalSpec, rollout_settings
+    from jobs.settings import RunSettings, SettingsError
+
+    big = tmp_path / "big.jsonl"
+    big.write_text("".join(json.dumps({"id": str(i), "question": "q", "answer": "1"}) + "\n" for i in range(4097)))
+    with pytest.raises(SettingsError, match=f"evaluation dataset {big}: 4097 questions, over the 4096"):
+        rollout_settings(RunSettings(), EvalSpec(str(big), 2, "retool"))

@@ -47,7 +47,7 @@ def outputs(run_folder: Path) -> dict[str, object]:
         if path.name == "metrics.parquet" or path.name.startswith("."):
             continue
         table = pq.read_table(path)
-        found[str(path.relative_to(run_folder))] = table.drop_columns(["exec_seconds"]) if "exec_seconds" in table.column_names else table
+        found[str(path.relative_to(run_folder))] = table.drop_columns([c for c in ("exec_seconds", "seconds") if c in table.column_names])
     for path in sorted([*run_folder.rglob("adapter_model.safetensors"), *run_folder.rglob("model.safetensors")]):
         found[str(path.relative_to(run_folder))] = load_file(path)
     return found

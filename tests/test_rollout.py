@@ -1,9 +1,11 @@
 """The state machine: each invariant and each edge case of DESIGN.md, one test each."""
 
+from dataclasses import replace
+
 import pytest
 
 from jobs.data import MathExample
-from jobs.datums import trajectory_sequence
+from jobs.datums import PrefixError, build_datum, trajectory_sequence
 from jobs.rollout import (
     RolloutConfig,
     Trajectory,
@@ -300,3 +302,25 @@ def test_zero_variance_groups_are_counted():
     from jobs.rollout import zero_variance_groups
 
     assert zero_variance_groups([(0, 1.0), (0, -1.0), (1, -1.0), (1, -1.0), (2, 1.0)]) == 2
+
+
+def test_a_turn_never_asks_for_more_than_max_assistant_tokens(hermes):
+    (trajectory, *_) = start_trajectories(EXAMPLES[:1], hermes, replace(CONFIG, max_assistant_tokens=7))
+    (request,) = plan_requests([trajectory], hermes, replace(CONFIG, max_assistant_tokens=7), step=0)
+    assert request.max_tokens == 7
+    rolled = run(hermes, ScriptedSampler(scripted(hermes, lambda q, g, t: "a long answer " * 40, close=False)), replace(CONFIG, max_assistant_tokens=7))
+    assert all(len(turn.completion_tokens) <= 7 for t in rolled for turn in t.turns)
+
+
+def test_a_prompt_that_does_not_extend_the_turns_before_it_is_a_datum_error(hermes):
+    trajectory = run(hermes, tool_then_answer(hermes))[1]  # branch 1: a tool call, then an answer
+    build_datum(trajectory, CONFIG.trainer_max_tokens)
+    trajectory.turns[1].prompt_tokens[3] += 1
+    with pytest.raises(PrefixError, match="question 0, branch 1.*turn 2 does not extend"):
+        build_datum(trajectory, CONFIG.trainer_max_tokens)
+
+
+def test_a_trajectory_over_the_trainers_context_is_a_datum_error(hermes):
+    trajectory = run(hermes, tool_then_answer(hermes))[1]
+    with pytest.raises(ValueError, match="over the trainer's context of 10"):
+        build_datum(trajectory, 10)

@@ -165,8 +165,8 @@ def test_two_processes_give_the_same_parameters_as_one(tiny_model_dir, tmp_path)
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517", *common, "--out", str(tmp_path / "two")], check=True, capture_output=True)
     one, two = (load_file(tmp_path / name / "adapter" / "adapter_model.safetensors") for name in ("one", "two"))
     assert one.keys() == two.keys()
-    for name in one:  # equal up to the order of float sums (a step moves weights by up to lr = 5e-3)
-        torch.testing.assert_close(one[name], two[name], rtol=0, atol=1e-6, msg=name)
+    for name in one:  # equal up to the order of float sums, which Adam magnifies where a gradient is near 0 (lr 5e-3)
+        torch.testing.assert_close(one[name], two[name], rtol=0, atol=1e-5, msg=name)
     assert json.loads((tmp_path / "two" / "metrics.json").read_text())["loss_tokens"] == json.loads((tmp_path / "one" / "metrics.json").read_text())["loss_tokens"]
     assert len(datums_from_table(pq_read(tmp_path / "datums.parquet"))) == len(datums)
 
@@ -175,3 +175,38 @@ def pq_read(path):
     import pyarrow.parquet as pq
 
     return pq.read_table(path)
+
+
+def test_the_shipped_ppo_settings_are_the_seeds_recipe():
+    from jobs.settings import RunSettings
+
+    config = RunSettings().trainer_config()
+    assert (1 - config.clip_low, 1 + config.clip_high) == (0.8, 1.28)
+    assert (config.learning_rate, config.beta1, config.beta2, config.objective) == (4e-5, 0.9, 0.95, "ppo")
+
+
+def test_the_ratio_is_clipped_to_the_shipped_range():
+    from jobs.trainer import ppo_token_loss
+
+    config = TrainerConfig()
+    ratios = torch.tensor([0.5, 0.9, 1.1, 1.5])
+    for advantage in (1.0, -1.0):
+        logprobs = torch.log(ratios).requires_grad_()
+        loss, clipped = ppo_token_loss(logprobs, torch.zeros(4), torch.full((4,), advantage), config)
+        loss.sum().backward()
+        # A gain is capped at 1.28, a loss at 0.8 (and the unclipped side keeps its gradient).
+        expected_clipped = [False, False, False, True] if advantage > 0 else [True, False, False, False]
+        assert clipped.tolist() == expected_clipped
+        assert [g == 0 for g in logprobs.grad.tolist()] == expected_clipped
+        assert loss.tolist()[3 if advantage > 0 else 0] == pytest.approx(-advantage * (1.28 if advantage > 0 else 0.8))
+
+
+def test_filtering_zero_variance_groups_averages_over_datums_only(tiny_model_dir):
+    datums = on_policy_datums(load_policy(tiny_model_dir, None, CONFIG)[0])
+    datums = [replace(d, advantages=[abs(a) for a in d.advantages]) for d in datums]  # same sign: a non-zero loss
+    losses = {}
+    for filtered in (False, True):
+        config = replace(CONFIG, filter_zero_variance_groups=filtered, learning_rate=1e-9)
+        model, optimizer = load_policy(tiny_model_dir, None, config)
+        losses[filtered] = train_step(model, optimizer, datums, config, num_trajectories=10).loss
+    assert losses[True] == pytest.approx(losses[False] * 5, rel=1e-4)  # 2 datums of 10 trajectories
