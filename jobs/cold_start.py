@@ -14,7 +14,7 @@ import json
 import random
 import shutil
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +30,7 @@ from jobs.sandbox import ExecutionResult, neutralise
 from jobs.tables import SFT_EXAMPLES, SFT_LOSSES, table_from_rows
 
 if TYPE_CHECKING:
-    from jobs.trainer import TrainerConfig
+    from jobs.trainer_config import TrainerConfig
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,7 @@ class ColdStartConfig:
 
 
 # -- reading conversations ----------------------------------------------------------------------------
+
 
 def _call_code(call: Any, where: str) -> str:
     """The code of one tool call, in the OpenAI layout (arguments as a JSON string) or the Hugging
@@ -110,7 +111,10 @@ def conversation_from_row(row: Any, line: int, where: str, default_id: str) -> C
             raise DataError(f"{at}: a tool message without a tool call before it")
         calls = message.get("tool_calls") or []
         if not isinstance(calls, list) or len(calls) > 1:
-            raise DataError(f"{at}: an assistant message may make one tool call, got {len(calls) if isinstance(calls, list) else calls!r}")
+            raise DataError(
+                f"{at}: an assistant message may make one tool call, got "
+                f"{len(calls) if isinstance(calls, list) else calls!r}"
+            )
         if not calls:
             turns.append(SolutionTurn(_content(message, at)))
             position += 1
@@ -119,12 +123,22 @@ def conversation_from_row(row: Any, line: int, where: str, default_id: str) -> C
         reply = messages[position + 1] if position + 1 < len(messages) else None
         if not isinstance(reply, dict) or reply.get("role") != "tool":
             raise DataError(f"{at}: its tool call is not answered by a tool message")
-        turns.append(SolutionTurn(_content(message, at, allow_empty=True), code, _content(reply, f"{where} message {position + 2}", allow_empty=True)))
+        turns.append(
+            SolutionTurn(
+                _content(message, at, allow_empty=True),
+                code,
+                _content(reply, f"{where} message {position + 2}", allow_empty=True),
+            )
+        )
         position += 2
     if not turns or turns[-1].code is not None:
         raise DataError(f"{where}: the conversation must end with an assistant answer")
     answer = row.get("answer")
-    answer = str(answer) if isinstance(answer, (str, int, float)) and not isinstance(answer, bool) else last_boxed(turns[-1].text)
+    answer = (
+        str(answer)
+        if isinstance(answer, (str, int, float)) and not isinstance(answer, bool)
+        else last_boxed(turns[-1].text)
+    )
     if not answer:
         raise DataError(f"{where}: no 'answer' field and no \\boxed{{}} in the final answer")
     return Conversation(str(row.get("id") or default_id), line, question, answer, tuple(turns))
@@ -157,13 +171,18 @@ def conversation_row(conversation: Conversation) -> dict:
         if turn.code is None:
             messages.append({"role": "assistant", "content": turn.text})
             continue
-        call = {"id": f"call_{number}", "type": "function", "function": {"name": TOOL_NAME, "arguments": json.dumps({"code": turn.code})}}
+        call = {
+            "id": f"call_{number}",
+            "type": "function",
+            "function": {"name": TOOL_NAME, "arguments": json.dumps({"code": turn.code})},
+        }
         messages.append({"role": "assistant", "content": turn.text, "tool_calls": [call]})
         messages.append({"role": "tool", "tool_call_id": f"call_{number}", "content": turn.output})
     return {"id": conversation.id, "answer": conversation.answer, "messages": messages}
 
 
 # -- rendering through the rollout --------------------------------------------------------------------
+
 
 def assistant_text(turn: SolutionTurn, tool_format: str) -> str:
     return turn.text if turn.code is None else tool_call_text(turn.code, tool_format, turn.text.strip())
@@ -187,12 +206,16 @@ def replay_conversation(conversation: Conversation, protocol: ChatProtocol, conf
         if turn.code is None or not pendings:
             break
         result = ExecutionResult("ok", turn.output or "", "", 0.0, 0)
-        finish_advance(pendings[0], result, neutralise(turn.output or "(no output)", protocol.forbidden_strings), protocol, config)
+        finish_advance(
+            pendings[0], result, neutralise(turn.output or "(no output)", protocol.forbidden_strings), protocol, config
+        )
     fits = trajectory.stop_reason == "answer" and len(trajectory.turns) == len(conversation.turns)
     return trajectory if fits else None
 
 
-def sft_examples_table(conversations: Sequence[Conversation], protocol: ChatProtocol, config: RolloutConfig) -> tuple[pa.Table, int]:
+def sft_examples_table(
+    conversations: Sequence[Conversation], protocol: ChatProtocol, config: RolloutConfig
+) -> tuple[pa.Table, int]:
     """The SFT examples, one row per conversation that fits the run's budgets and turn limits (a
     rollout could not have produced the others), and how many did not fit."""
     rows = []
@@ -202,24 +225,39 @@ def sft_examples_table(conversations: Sequence[Conversation], protocol: ChatProt
             continue
         trajectory.advantage = 1.0  # build_datum puts it on exactly the tokens the model emitted
         datum = build_datum(trajectory, config.trainer_max_tokens)
-        rows.append({
-            "example_id": conversation.id, "line": conversation.line, "num_turns": len(trajectory.turns),
-            "code_calls": trajectory.code_calls, "input_tokens": datum.input_tokens, "target_tokens": datum.target_tokens,
-            "loss_mask": datum.loss_mask, "num_tokens": datum.num_tokens,
-        })
+        rows.append(
+            {
+                "example_id": conversation.id,
+                "line": conversation.line,
+                "num_turns": len(trajectory.turns),
+                "code_calls": trajectory.code_calls,
+                "input_tokens": datum.input_tokens,
+                "target_tokens": datum.target_tokens,
+                "loss_mask": datum.loss_mask,
+                "num_tokens": datum.num_tokens,
+            }
+        )
     return table_from_rows(rows, SFT_EXAMPLES), len(conversations) - len(rows)
 
 
 def sft_datums(examples: pa.Table) -> list[Datum]:
     """Datums of the SFT objective: the trainer reads only tokens, targets and the loss mask."""
     return [
-        Datum(index, 0, row["input_tokens"], row["target_tokens"], [0.0] * row["num_tokens"],
-              [1.0 if m else 0.0 for m in row["loss_mask"]], row["loss_mask"])
+        Datum(
+            index,
+            0,
+            row["input_tokens"],
+            row["target_tokens"],
+            [0.0] * row["num_tokens"],
+            [1.0 if m else 0.0 for m in row["loss_mask"]],
+            row["loss_mask"],
+        )
         for index, row in enumerate(examples.to_pylist())
     ]
 
 
 # -- training -----------------------------------------------------------------------------------------
+
 
 def batch_indices(num_examples: int, batch_size: int, step: int, seed: int) -> list[int]:
     """The examples of SFT step `step`: consecutive slices of per-epoch shuffles, a pure function of
@@ -233,8 +271,16 @@ def batch_indices(num_examples: int, batch_size: int, step: int, seed: int) -> l
     return indices
 
 
-def train_cold_start(base_model: Path, datums: list[Datum], trainer: TrainerConfig, config: ColdStartConfig, out: Path, progress: Path,
-                     device: str = "cpu", on_step=None) -> list[dict]:
+def train_cold_start(
+    base_model: Path,
+    datums: list[Datum],
+    trainer: TrainerConfig,
+    config: ColdStartConfig,
+    out: Path,
+    progress: Path,
+    device: str = "cpu",
+    on_step=None,
+) -> list[dict]:
     """Supervised fine-tuning through the PPO trainer's own step (objective sft), resuming from the
     last resume point under `progress`. Publishes `out` with full weights (a LoRA is merged in), so
     RL starts from it as from any base model. Returns the loss of every step."""
@@ -250,8 +296,16 @@ def train_cold_start(base_model: Path, datums: list[Datum], trainer: TrainerConf
     for step in range(len(losses), config.steps):
         batch = [datums[i] for i in batch_indices(len(datums), config.batch_size, step, config.seed)]
         metrics = train_step(model, optimizer, batch, trainer, len(batch), device)
-        losses.append({"step": step, "loss": metrics.loss, "examples": len(batch), "loss_tokens": metrics.loss_tokens,
-                       "grad_norm": metrics.grad_norm, "seconds": metrics.seconds})
+        losses.append(
+            {
+                "step": step,
+                "loss": metrics.loss,
+                "examples": len(batch),
+                "loss_tokens": metrics.loss_tokens,
+                "grad_norm": metrics.grad_norm,
+                "seconds": metrics.seconds,
+            }
+        )
         if on_step:
             on_step(losses[-1])
         if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
@@ -269,4 +323,3 @@ def losses_table(losses: list[dict]) -> pa.Table:
 
 def describe_cold_start(losses: list[dict]) -> str:
     return f"{len(losses)} SFT steps, loss {losses[0]['loss']:.3f} -> {losses[-1]['loss']:.3f}"
-

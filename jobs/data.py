@@ -12,6 +12,8 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from jobs.atomic import write_text_atomically
+
 
 @dataclass(frozen=True)
 class MathExample:
@@ -120,13 +122,7 @@ def read_examples(path: str | Path) -> list[MathExample]:
 
 
 def write_examples(examples: Sequence[MathExample], path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    with temporary.open("w", encoding="utf-8") as handle:
-        for example in examples:
-            handle.write(json.dumps(asdict(example), ensure_ascii=False) + "\n")
-    temporary.replace(path)
+    write_text_atomically(path, "".join(json.dumps(asdict(example), ensure_ascii=False) + "\n" for example in examples))
 
 
 def shuffled(examples: Sequence[MathExample], seed: int) -> list[MathExample]:

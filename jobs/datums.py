@@ -27,7 +27,8 @@ def trajectory_sequence(trajectory: Trajectory) -> TokenSequence:
     for number, turn in enumerate(trajectory.turns, start=1):
         if turn.prompt_tokens[: len(tokens)] != tokens:
             raise PrefixError(
-                f"trajectory (question {trajectory.question_index}, branch {trajectory.group_index}): the prompt of turn "
+                f"trajectory (question {trajectory.question_index}, branch {trajectory.group_index}): the prompt of "
+                "turn "
                 f"{number} does not extend the {len(tokens)} tokens of the turns before it"
             )
         context = turn.prompt_tokens[len(tokens) :]
@@ -62,7 +63,8 @@ def build_datum(trajectory: Trajectory, trainer_max_tokens: int) -> Datum:
     sequence = trajectory_sequence(trajectory)
     if len(sequence.tokens) > trainer_max_tokens:
         raise ValueError(
-            f"trajectory (question {trajectory.question_index}, branch {trajectory.group_index}) has {len(sequence.tokens)} tokens, "
+            f"trajectory (question {trajectory.question_index}, branch {trajectory.group_index}) has "
+            f"{len(sequence.tokens)} tokens, "
             f"over the trainer's context of {trainer_max_tokens}"
         )
     advantage = float(trajectory.advantage)

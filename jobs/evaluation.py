@@ -53,7 +53,9 @@ def summarize_eval(trajectories: pa.Table, n: int) -> dict:
         summary[f"pass_at_{k}"], summary[f"pass_at_{k}_ci"] = mean_ci([pass_at_k(n, c, k) for c in correct_counts])
     for name, column in (("format", "valid_format"), ("code_calls", "code_calls"), ("turns", "num_turns")):
         summary[name], summary[f"{name}_ci"] = mean_ci([float(r[column]) for r in rows])
-    summary["tool_use"], summary["tool_use_ci"] = mean_ci([float(r["code_calls"] > 0) for r in rows])  # made a call that ran
+    summary["tool_use"], summary["tool_use_ci"] = mean_ci(
+        [float(r["code_calls"] > 0) for r in rows]
+    )  # made a call that ran
     for reason in STOP_REASONS:
         summary[f"stop_{reason}"] = sum(r["stop_reason"] == reason for r in rows)
     return summary
@@ -62,7 +64,8 @@ def summarize_eval(trajectories: pa.Table, n: int) -> dict:
 def describe_eval(summary: dict) -> str:
     n = summary["n"]
     return (
-        f"Average@{n} {summary['average_at_n']:.3f} ± {summary['average_at_n_ci']:.3f}, Pass@{n} {summary['pass_at_n']:.3f}, "
+        f"Average@{n} {summary['average_at_n']:.3f} ± {summary['average_at_n_ci']:.3f}, Pass@{n} "
+        f"{summary['pass_at_n']:.3f}, "
         f"Format {summary['format']:.3f}, code calls {summary['code_calls']:.2f}, turns {summary['turns']:.2f} "
         f"over {summary['questions']} questions"
     )
@@ -72,6 +75,7 @@ def paired_difference(before: pa.Table, after: pa.Table) -> tuple[float, float, 
     """Mean over questions of (after's correct rate - before's) on the questions both evaluated, with
     the half-width of its 95 % interval and the number of questions: pairing by question removes the
     spread of question difficulty from the comparison."""
+
     def rates(table: pa.Table) -> dict[str, float]:
         counts: dict[str, list[int]] = defaultdict(list)
         for row in table.select(["example_id", "correct"]).to_pylist():
@@ -84,7 +88,9 @@ def paired_difference(before: pa.Table, after: pa.Table) -> tuple[float, float, 
     return mean, half_width, len(common)
 
 
-def before_after_markdown(summaries: list[tuple[str, dict]], differences: list[tuple[str, tuple[float, float, int]]]) -> str:
+def before_after_markdown(
+    summaries: list[tuple[str, dict]], differences: list[tuple[str, tuple[float, float, int]]]
+) -> str:
     """The comparison `make run` ends with: one row per policy, then the paired differences."""
     n = summaries[0][1]["n"]
     lines = [
@@ -93,10 +99,14 @@ def before_after_markdown(summaries: list[tuple[str, dict]], differences: list[t
     ]
     for label, s in summaries:
         lines.append(
-            f"| {label} | {s['average_at_n']:.3f} ± {s['average_at_n_ci']:.3f} | {s['pass_at_n']:.3f} | {s['format']:.3f} ± {s['format_ci']:.3f} "
+            f"| {label} | {s['average_at_n']:.3f} ± {s['average_at_n_ci']:.3f} | {s['pass_at_n']:.3f} | "
+            f"{s['format']:.3f} ± {s['format_ci']:.3f} "
             f"| {s['tool_use']:.3f} | {s['code_calls']:.2f} ± {s['code_calls_ci']:.2f} |"
         )
     lines.append("")
     for label, (mean, half_width, questions) in differences:
-        lines.append(f"{label}: Average@{n} {mean:+.3f} ± {half_width:.3f} (95 % interval of the paired difference over {questions} questions)")
+        lines.append(
+            f"{label}: Average@{n} {mean:+.3f} ± {half_width:.3f} (95 % interval of the paired difference over "
+            f"{questions} questions)"
+        )
     return "\n".join(lines) + "\n"

@@ -53,7 +53,9 @@ class HFSampler:
         return self._sample_batch(requests, settings)
 
     @torch.inference_mode()
-    def _sample_batch(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
+    def _sample_batch(
+        self, requests: Sequence[SampleRequest], settings: SamplingSettings
+    ) -> list[list[SampledSequence]]:
         """Decodes every sample of every request in one left-padded batch; rows leave the batch as
         they finish. Each request draws from its own generator seeded with its seed."""
         owners = [index for index, request in enumerate(requests) for _ in range(request.num_samples)]
@@ -72,7 +74,9 @@ class HFSampler:
         finish: list[str | None] = [None] * len(owners)
         window = max((len(stop) for stop in settings.stop_strings), default=0) + 1
         alive = list(range(len(owners)))  # row of each batch position
-        progress = tqdm(total=len(owners), desc=f"sampling {len(owners)} sequences", unit="seq", leave=False, disable=None)
+        progress = tqdm(
+            total=len(owners), desc=f"sampling {len(owners)} sequences", unit="seq", leave=False, disable=None
+        )
         while alive:
             next_tokens = torch.empty(len(alive), dtype=torch.long, device=self.device)
             for index, generator in enumerate(generators):  # per-request draws keep each seed's stream its own
@@ -88,7 +92,9 @@ class HFSampler:
                 logprobs[row].append(chosen[position])
                 if token in settings.stop_token_ids:
                     finish[row] = "stop"
-                elif settings.stop_strings and any(stop in self.tokenizer.decode(tokens[row][-window:]) for stop in settings.stop_strings):
+                elif settings.stop_strings and any(
+                    stop in self.tokenizer.decode(tokens[row][-window:]) for stop in settings.stop_strings
+                ):
                     finish[row] = "stop"
                 elif len(tokens[row]) >= requests[owners[row]].max_tokens:
                     finish[row] = "length"
@@ -104,7 +110,13 @@ class HFSampler:
             alive = [alive[position] for position in still_alive]
             mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
             positions = positions + 1
-            output = self.model(next_tokens[:, None], attention_mask=mask, position_ids=positions[:, None], past_key_values=cache, use_cache=True)
+            output = self.model(
+                next_tokens[:, None],
+                attention_mask=mask,
+                position_ids=positions[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
             cache, logits = output.past_key_values, output.logits[:, -1, :].float()
         progress.close()
         replies: list[list[SampledSequence]] = [[] for _ in requests]

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from jobs.atomic import write_text_atomically
 from jobs.rollout import STOP_REASONS, zero_variance_groups
-from jobs.trainer import StepMetrics
+from jobs.trainer_config import StepMetrics
 
 TIMINGS = "_timings"  # per-stage wall times, one small JSON file per finished task
 
@@ -38,7 +38,9 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def step_metrics(step: int, trajectories: pa.Table, observations: pa.Table, training: StepMetrics, seconds: dict[str, float]) -> dict:
+def step_metrics(
+    step: int, trajectories: pa.Table, observations: pa.Table, training: StepMetrics, seconds: dict[str, float]
+) -> dict:
     rows = trajectories.to_pylist()
     turns = [r for r in observations.to_pylist() if r["kind"] is not None]
     calls = [r for r in turns if r["exec_status"] is not None]
@@ -53,7 +55,8 @@ def step_metrics(step: int, trajectories: pa.Table, observations: pa.Table, trai
         "code_calls": _mean([float(r["code_calls"]) for r in rows]),
         "trajectory_tokens": _mean([float(r["trajectory_tokens"]) for r in rows]),
         "valid_tool_call_rate": _mean([float(r["kind"] == "tool") for r in attempted]),
-        "degenerate_group_rate": zero_variance_groups((r["question_index"], r["reward"]) for r in rows) / max(1, len({r["question_index"] for r in rows})),
+        "degenerate_group_rate": zero_variance_groups((r["question_index"], r["reward"]) for r in rows)
+        / max(1, len({r["question_index"] for r in rows})),
         "sandbox_calls": len(calls),
         "sandbox_ok_rate": _mean([float(r["exec_status"] == "ok") for r in calls]),
         "sandbox_error_rate": _mean([float(r["exec_status"] == "error") for r in calls]),
@@ -63,7 +66,9 @@ def step_metrics(step: int, trajectories: pa.Table, observations: pa.Table, trai
     }
     metrics.update({f"stop_{reason}": sum(r["stop_reason"] == reason for r in rows) for reason in STOP_REASONS})
     training_fields = asdict(training)
-    metrics.update({f"train_{name}": value for name, value in training_fields.items() if name not in ("trajectories", "seconds")})
+    metrics.update(
+        {f"train_{name}": value for name, value in training_fields.items() if name not in ("trajectories", "seconds")}
+    )
     metrics["train_skipped"] = bool(training.skipped)
     for stage in ("Prompts", "SampleRound", "ExecuteRound", "ScoreTrajectories", "BuildDatums"):
         metrics[f"seconds_{stage}"] = seconds.get(stage, 0.0)
@@ -77,10 +82,12 @@ def metrics_table(metrics: dict) -> pa.Table:
 
 def describe_step(metrics: dict) -> str:
     return (
-        f"step {metrics['step']}: reward {metrics['reward_mean']:+.3f}, correct {metrics['correct']:.3f}, format {metrics['format']:.3f}, "
-        f"turns {metrics['turns']:.2f}, code calls {metrics['code_calls']:.2f}, sandbox ok {metrics['sandbox_ok_rate']:.2f}, "
-        f"degenerate groups {metrics['degenerate_group_rate']:.2f}, datums {metrics['train_datums']}, loss {metrics['train_loss']:+.4f}"
-        + (" (update skipped)" if metrics["train_skipped"] else "")
+        f"step {metrics['step']}: reward {metrics['reward_mean']:+.3f}, correct {metrics['correct']:.3f}, format "
+        f"{metrics['format']:.3f}, "
+        f"turns {metrics['turns']:.2f}, code calls {metrics['code_calls']:.2f}, sandbox ok "
+        f"{metrics['sandbox_ok_rate']:.2f}, "
+        f"degenerate groups {metrics['degenerate_group_rate']:.2f}, datums {metrics['train_datums']}, loss "
+        f"{metrics['train_loss']:+.4f}" + (" (update skipped)" if metrics["train_skipped"] else "")
     )
 
 

@@ -23,7 +23,9 @@ def pack_micro_batches(lengths: Sequence[int], max_items: int, max_padded_tokens
     """First-fit decreasing: longest first, each into the first batch where it still fits both
     bounds (rows padded to the batch's longest). A datum longer than the token bound gets its own."""
     if max_items <= 0 or max_padded_tokens <= 0:
-        raise ValueError(f"micro-batch bounds must be positive, got max_items={max_items}, max_padded_tokens={max_padded_tokens}")
+        raise ValueError(
+            f"micro-batch bounds must be positive, got max_items={max_items}, max_padded_tokens={max_padded_tokens}"
+        )
     bins: list[list[int]] = []
     widths: list[int] = []
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):

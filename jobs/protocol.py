@@ -30,6 +30,12 @@ SYSTEM_PROMPT = (
     "for calculations and checks; its output comes back to you. Put the final answer in \\boxed{}."
 )
 TOOL_FORMATS = ("xml", "hermes")
+PROTOCOL_TAGS = (
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)  # never let tool output fake them
 BUNDLED_TEMPLATE = Path(__file__).with_name("templates") / "chatml_tools.jinja"
 _PLACEHOLDER = "\u2063RETOOL-ASSISTANT-PLACEHOLDER\u2063"  # never produced by a model
 _XML_CALL = re.compile(r"^\s*<function=([^>\n]+)>\s*(.*?)\s*</function>\s*$", re.DOTALL)
@@ -133,7 +139,10 @@ def special_token_strings(tokenizer) -> tuple[str, ...]:
 def _tools_block(tool_format: str) -> str:
     """The tool description for templates that ignore `tools=`, appended to the system prompt."""
     if tool_format == "xml":
-        call = "<tool_call>\n<function=code_interpreter>\n<parameter=code>\nYOUR CODE\n</parameter>\n</function>\n</tool_call>"
+        call = (
+            "<tool_call>\n<function=code_interpreter>\n<parameter=code>\n"
+            "YOUR CODE\n</parameter>\n</function>\n</tool_call>"
+        )
     else:
         call = '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "YOUR CODE"}}\n</tool_call>'
     return (
@@ -146,21 +155,38 @@ def _tools_block(tool_format: str) -> str:
 class ChatProtocol:
     """Renders prompts and continuations for one tokenizer and chat template."""
 
-    def __init__(self, tokenizer, tool_format: str = "auto", system_prompt: str | None = None, chat_template: str | Path | None = None, tools: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        tool_format: str = "auto",
+        system_prompt: str | None = None,
+        chat_template: str | Path | None = None,
+        tools: bool = True,
+        template_kwargs: dict | None = None,
+    ):
         self.tokenizer = tokenizer
-        self.chat_template = Path(chat_template).read_text(encoding="utf-8") if chat_template else tokenizer.chat_template
+        self.template_kwargs = dict(template_kwargs or {})  # e.g. enable_thinking, passed to every render
+        self.chat_template = (
+            Path(chat_template).read_text(encoding="utf-8") if chat_template else tokenizer.chat_template
+        )
         if not self.chat_template:
             raise TemplateError("the tokenizer has no chat template; pass chat_template=PATH")
         if tool_format == "auto":
             # Qwen3.5 / Qwen3-Coder templates teach only the XML form; a template that also shows the
             # JSON form (like the bundled one, which teaches either) defaults to Hermes JSON.
-            tool_format = "xml" if "<function=" in self.chat_template and "<args-json-object>" not in self.chat_template else "hermes"
+            tool_format = (
+                "xml"
+                if "<function=" in self.chat_template and "<args-json-object>" not in self.chat_template
+                else "hermes"
+            )
         if tool_format not in TOOL_FORMATS:
             raise ValueError(f"tool_format must be one of auto, {', '.join(TOOL_FORMATS)}; got {tool_format!r}")
         self.tool_format = tool_format
         self.tools = [CODE_INTERPRETER_TOOL] if tools else None  # None: text-only, no tool declared
         probe = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
-        self.template_handles_tools = self._render_raw(probe, False, tools=[CODE_INTERPRETER_TOOL]) != self._render_raw(probe, False, tools=None)
+        self.template_handles_tools = self._render_raw(probe, False, tools=[CODE_INTERPRETER_TOOL]) != self._render_raw(
+            probe, False, tools=None
+        )
         if not tools:
             self.system_prompt = system_prompt or TEXT_ONLY_SYSTEM_PROMPT
         elif self.template_handles_tools:
@@ -173,13 +199,17 @@ class ChatProtocol:
         # The token a model emits to end an answer turn: the template's closing if special, else EOS.
         self.end_of_turn_token = closing[0] if closing and closing[0] in self.stop_token_ids else self.stop_token_ids[0]
         self.stop_strings = ("</tool_call>",)  # a call is complete here; nothing may follow it
-        self.forbidden_strings = tuple(sorted(set(special_token_strings(tokenizer)) | {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"}))
+        self.forbidden_strings = tuple(sorted(set(special_token_strings(tokenizer)) | set(PROTOCOL_TAGS)))
 
     # -- rendering -------------------------------------------------------------------------------
     def _render_raw(self, messages: list[dict], add_generation_prompt: bool, tools: list | None) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tools=tools, chat_template=self.chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt, tool_format=self.tool_format,
+            messages,
+            tools=tools,
+            chat_template=self.chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **{"tool_format": self.tool_format, **self.template_kwargs},
         )
 
     def render(self, messages: list[dict], add_generation_prompt: bool) -> str:
@@ -229,26 +259,43 @@ class ChatProtocol:
         ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         return tuple(sorted(ids))
 
-    def observation_delta(self, messages_before_assistant: list[dict], completion_tokens: list[int], tool_content: str, call_id: str) -> list[int]:
+    def observation_delta(
+        self, messages_before_assistant: list[dict], completion_tokens: list[int], tool_content: str, call_id: str
+    ) -> list[int]:
         """D(i): the assistant closing the completion did not emit, the tool message, and the next
         generation prefix, rendered in the real conversation so far (templates may vary by context)."""
         history = [*messages_before_assistant, self.assistant_message(_PLACEHOLDER)]
         closing = self._after_placeholder(self.render(history, add_generation_prompt=False), "it is the last message")
-        after = self._after_placeholder(self.render([*history, self.tool_message(tool_content, call_id)], add_generation_prompt=True), "a tool message follows it")
+        after = self._after_placeholder(
+            self.render([*history, self.tool_message(tool_content, call_id)], add_generation_prompt=True),
+            "a tool message follows it",
+        )
         closing_ids, delta_ids = self.encode(closing), self.encode(after)
         if not after.startswith(closing) or delta_ids[: len(closing_ids)] != closing_ids:
             raise TemplateError(
                 f"the chat template closes an assistant turn with {closing!r} when it is last, but not when a "
                 "tool message follows it; the observation cannot be appended token-exactly"
             )
-        emitted = next(k for k in range(len(closing_ids), -1, -1) if k == 0 or completion_tokens[-k:] == closing_ids[:k])
+        emitted = next(
+            k for k in range(len(closing_ids), -1, -1) if k == 0 or completion_tokens[-k:] == closing_ids[:k]
+        )
         return delta_ids[emitted:]
 
-    def build_next_prompt(self, prompt_tokens: list[int], completion_tokens: list[int], messages_before_assistant: list[dict], tool_content: str, call_id: str) -> list[int]:
+    def build_next_prompt(
+        self,
+        prompt_tokens: list[int],
+        completion_tokens: list[int],
+        messages_before_assistant: list[dict],
+        tool_content: str,
+        call_id: str,
+    ) -> list[int]:
         """P(i+1) = P(i) + C(i) + D(i): history is never re-tokenized from text."""
-        return [*prompt_tokens, *completion_tokens, *self.observation_delta(messages_before_assistant, completion_tokens, tool_content, call_id)]
+        return [
+            *prompt_tokens,
+            *completion_tokens,
+            *self.observation_delta(messages_before_assistant, completion_tokens, tool_content, call_id),
+        ]
 
     def tool_wrapper_tokens(self, messages_before_assistant: list[dict]) -> int:
         """Tokens an observation costs besides its content (closing, wrapper, next prefix)."""
         return len(self.observation_delta(messages_before_assistant, [], "", "code-0-0-0"))
-

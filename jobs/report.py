@@ -11,14 +11,28 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import polars as pl  # noqa: E402
 
-from jobs.analysis import eval_by_checkpoint, length_distributions, metrics_by_step, sandbox_error_kinds, worst_trajectories  # noqa: E402
+from jobs.analysis import (
+    eval_by_checkpoint,
+    length_distributions,
+    metrics_by_step,
+    sandbox_error_kinds,
+    worst_trajectories,
+)  # noqa: E402
 from jobs.atomic import write_text_atomically  # noqa: E402
 
 PLOTS = ("reward.png", "tool_use.png", "sandbox.png", "lengths.png", "eval.png")
 STYLES = (("o", "-"), ("s", "--"), ("^", ":"))  # lines that coincide stay distinguishable
 
 
-def _lines(path: Path, title: str, steps: list, series: dict[str, list], ylabel: str, xlabel: str = "training step", ylim: tuple | None = None) -> None:
+def _lines(
+    path: Path,
+    title: str,
+    steps: list,
+    series: dict[str, list],
+    ylabel: str,
+    xlabel: str = "training step",
+    ylim: tuple | None = None,
+) -> None:
     figure, axis = plt.subplots(figsize=(7, 4), layout="constrained")
     for (label, values), (marker, linestyle) in zip(series.items(), STYLES):
         axis.plot(steps, values, marker=marker, linestyle=linestyle, label=label)
@@ -41,14 +55,33 @@ def _column(frame: pl.DataFrame, name: str) -> list:
 
 def plot_reward(metrics: pl.DataFrame, path: Path) -> None:
     steps = _column(metrics, "step")
-    _lines(path, "Reward, accuracy and format", steps,
-           {"reward mean (±1)": _column(metrics, "reward_mean"), "correct": _column(metrics, "correct"), "valid \\boxed{} format": _column(metrics, "format")}, "value", ylim=(-1.05, 1.05))
+    _lines(
+        path,
+        "Reward, accuracy and format",
+        steps,
+        {
+            "reward mean (±1)": _column(metrics, "reward_mean"),
+            "correct": _column(metrics, "correct"),
+            "valid \\boxed{} format": _column(metrics, "format"),
+        },
+        "value",
+        ylim=(-1.05, 1.05),
+    )
 
 
 def plot_tool_use(metrics: pl.DataFrame, path: Path) -> None:
     steps = _column(metrics, "step")
-    _lines(path, "Tool use per trajectory", steps,
-           {"valid tool-call rate": _column(metrics, "valid_tool_call_rate"), "code calls": _column(metrics, "code_calls"), "assistant turns": _column(metrics, "turns")}, "mean")
+    _lines(
+        path,
+        "Tool use per trajectory",
+        steps,
+        {
+            "valid tool-call rate": _column(metrics, "valid_tool_call_rate"),
+            "code calls": _column(metrics, "code_calls"),
+            "assistant turns": _column(metrics, "turns"),
+        },
+        "mean",
+    )
 
 
 def plot_sandbox(metrics: pl.DataFrame, errors: pl.DataFrame, path: Path) -> None:
@@ -73,11 +106,18 @@ def plot_sandbox(metrics: pl.DataFrame, errors: pl.DataFrame, path: Path) -> Non
 
 def plot_lengths(run: Path, path: Path) -> None:
     paths = sorted(run.glob("step=*/trajectories.parquet"))
-    frame = pl.concat([pl.read_parquet(p, columns=["step", "trajectory_tokens"]) for p in paths]) if paths else pl.DataFrame()
+    frame = (
+        pl.concat([pl.read_parquet(p, columns=["step", "trajectory_tokens"]) for p in paths])
+        if paths
+        else pl.DataFrame()
+    )
     figure, axis = plt.subplots(figsize=(7, 4), layout="constrained")
     if frame.height:
         steps = sorted(frame["step"].unique().to_list())
-        axis.boxplot([frame.filter(pl.col("step") == s)["trajectory_tokens"].to_list() for s in steps], tick_labels=[str(s) for s in steps])
+        axis.boxplot(
+            [frame.filter(pl.col("step") == s)["trajectory_tokens"].to_list() for s in steps],
+            tick_labels=[str(s) for s in steps],
+        )
     else:
         axis.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=axis.transAxes)
     axis.set(title="Trajectory length", xlabel="training step", ylabel="tokens (prompt + turns + observations)")
@@ -92,13 +132,24 @@ def plot_eval(evals: pl.DataFrame, path: Path) -> None:
         for (dataset, mode, n), group in evals.group_by("dataset", "mode", "n", maintain_order=True):
             name = f"{Path(dataset).stem} {mode}"
             positions = group["position"].to_list()
-            for (column, label), (marker, linestyle) in zip((("average_at_n", f"Average@{n}"), ("pass_at_n", f"Pass@{n}"), ("format", "Format")), STYLES):
-                axis.plot(positions, group[column].to_list(), marker=marker, linestyle=linestyle, label=f"{name} {label}")
+            for (column, label), (marker, linestyle) in zip(
+                (("average_at_n", f"Average@{n}"), ("pass_at_n", f"Pass@{n}"), ("format", "Format")), STYLES
+            ):
+                axis.plot(
+                    positions, group[column].to_list(), marker=marker, linestyle=linestyle, label=f"{name} {label}"
+                )
         ticks = sorted(set(evals["position"].to_list()))
         axis.set_xticks(ticks, [{-2: "base", -1: "SFT"}.get(t, str(t)) for t in ticks])
         axis.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
     else:
-        axis.text(0.5, 0.5, "no evaluation yet (luigi --module pipeline Evaluate ...)", ha="center", va="center", transform=axis.transAxes)
+        axis.text(
+            0.5,
+            0.5,
+            "no evaluation yet (luigi --module pipeline Evaluate ...)",
+            ha="center",
+            va="center",
+            transform=axis.transAxes,
+        )
     axis.set(title="Evaluation by checkpoint", xlabel="checkpoint", ylabel="rate", ylim=(-0.05, 1.05))
     axis.grid(alpha=0.3)
     figure.savefig(path, dpi=110)
@@ -111,7 +162,9 @@ def plot_learning_curve(metrics: pl.DataFrame, path: Path) -> None:
     steps = _column(metrics, "step")
     axis.plot(steps, _column(metrics, "reward_mean"), marker="o", label="reward mean")
     axis.plot(steps, _column(metrics, "correct"), marker="s", linestyle="--", label="correct")
-    axis.plot(steps, _column(metrics, "degenerate_group_rate"), marker="^", linestyle=":", label="degenerate-group rate")
+    axis.plot(
+        steps, _column(metrics, "degenerate_group_rate"), marker="^", linestyle=":", label="degenerate-group rate"
+    )
     axis.set(title="RL after the cold start", xlabel="training step", ylim=(-1.05, 1.05))
     axis.legend(loc="lower right", fontsize="small")
     axis.grid(alpha=0.3)
@@ -125,7 +178,11 @@ def _markdown_table(frame: pl.DataFrame, columns: list[str]) -> str:
         return "(none yet)\n"
     lines = ["| " + " | ".join(present) + " |", "|" + "---|" * len(present)]
     for row in frame.select(present).iter_rows():
-        lines.append("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v).replace("\n", " ")[:80] for v in row) + " |")
+        lines.append(
+            "| "
+            + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v).replace("\n", " ")[:80] for v in row)
+            + " |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -145,12 +202,40 @@ def make_report(run: str | Path, out: str | Path | None = None) -> Path:
     sections = [
         f"# Run report: {run.name}\n",
         f"{metrics.height} training steps, {evals.height} evaluations.\n",
-        "## Training\n", "![reward](reward.png)\n", "![tool use](tool_use.png)\n",
-        _markdown_table(metrics, ["step", "reward_mean", "correct", "format", "code_calls", "turns", "train_datums", "train_loss", "train_skipped"]),
-        "## Sandbox\n", "![sandbox](sandbox.png)\n", _markdown_table(errors, ["error", "calls"]),
-        "## Lengths\n", "![lengths](lengths.png)\n", _markdown_table(length_distributions(run), ["step", "trajectory_tokens_p50", "trajectory_tokens_p90", "trajectory_tokens_max"]),
-        "## Evaluation\n", "![evaluation](eval.png)\n", _markdown_table(evals, ["dataset", "mode", "n", "step", "average_at_n", "pass_at_n", "format"]),
-        "## Worst trajectories to read\n", _markdown_table(worst_trajectories(run, 5), ["step", "question_index", "group_index", "stop_reason", "trajectory_tokens", "extracted_answer", "answer"]),
+        "## Training\n",
+        "![reward](reward.png)\n",
+        "![tool use](tool_use.png)\n",
+        _markdown_table(
+            metrics,
+            [
+                "step",
+                "reward_mean",
+                "correct",
+                "format",
+                "code_calls",
+                "turns",
+                "train_datums",
+                "train_loss",
+                "train_skipped",
+            ],
+        ),
+        "## Sandbox\n",
+        "![sandbox](sandbox.png)\n",
+        _markdown_table(errors, ["error", "calls"]),
+        "## Lengths\n",
+        "![lengths](lengths.png)\n",
+        _markdown_table(
+            length_distributions(run),
+            ["step", "trajectory_tokens_p50", "trajectory_tokens_p90", "trajectory_tokens_max"],
+        ),
+        "## Evaluation\n",
+        "![evaluation](eval.png)\n",
+        _markdown_table(evals, ["dataset", "mode", "n", "step", "average_at_n", "pass_at_n", "format"]),
+        "## Worst trajectories to read\n",
+        _markdown_table(
+            worst_trajectories(run, 5),
+            ["step", "question_index", "group_index", "stop_reason", "trajectory_tokens", "extracted_answer", "answer"],
+        ),
     ]
     report = out / "report.md"
     write_text_atomically(report, "\n".join(sections))

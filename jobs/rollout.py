@@ -19,11 +19,20 @@ from dataclasses import dataclass, field
 
 from jobs.data import MathExample
 from jobs.protocol import ChatProtocol, parse_assistant
-from jobs.reward import score_answer
+from jobs.reward import last_boxed, score_answer
 from jobs.sampling import SampledSequence, Sampler, SampleRequest, SamplingSettings, sample_checked
 from jobs.sandbox import ExecutionResult, Sandbox, neutralise
 
-STOP_REASONS = ("answer", "invalid", "max_code_calls", "max_turns", "token_budget", "observation_over_budget", "prompt_over_budget")
+STOP_REASONS = (
+    "answer",
+    "invalid",
+    "max_code_calls",
+    "max_turns",
+    "token_budget",
+    "turn_budget",
+    "observation_over_budget",
+    "prompt_over_budget",
+)
 TRUNCATION_MARKER = "[... truncated ...]\n"
 
 # Seed layout, high bits to low: base seed | step + 1 | question | branch | turn. Every field has its
@@ -57,7 +66,16 @@ class RolloutConfig:
     trainer_max_tokens: int = 8192  # the trainer's context; trajectories must fit it
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "max_code_calls", "max_assistant_turns", "max_trajectory_tokens", "max_assistant_tokens", "max_tool_response_tokens", "min_tool_response_tokens", "trainer_max_tokens"):
+        for name in (
+            "group_size",
+            "max_code_calls",
+            "max_assistant_turns",
+            "max_trajectory_tokens",
+            "max_assistant_tokens",
+            "max_tool_response_tokens",
+            "min_tool_response_tokens",
+            "trainer_max_tokens",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"RolloutConfig.{name} must be a positive integer, got {value!r}")
@@ -67,13 +85,20 @@ class RolloutConfig:
                 f"trainer_max_tokens={self.trainer_max_tokens}: trajectories could not be trained on"
             )
         if self.min_tool_response_tokens > self.max_tool_response_tokens:
-            raise ValueError(f"RolloutConfig.min_tool_response_tokens={self.min_tool_response_tokens} exceeds max_tool_response_tokens={self.max_tool_response_tokens}")
+            raise ValueError(
+                f"RolloutConfig.min_tool_response_tokens={self.min_tool_response_tokens} exceeds "
+                f"max_tool_response_tokens={self.max_tool_response_tokens}"
+            )
         if not self.temperature > 0 or not 0 < self.top_p <= 1:
-            raise ValueError(f"RolloutConfig needs temperature > 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}")
+            raise ValueError(
+                f"RolloutConfig needs temperature > 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}"
+            )
         limits = {"seed": self.seed, "group_index": self.group_size - 1, "turn": self.max_assistant_turns - 1}
         for name, bits in SEED_FIELDS:
             if name in limits and not 0 <= limits[name] < 2**bits:
-                raise ValueError(f"RolloutConfig: {name} up to {limits[name]} does not fit the seed layout ({bits} bits)")
+                raise ValueError(
+                    f"RolloutConfig: {name} up to {limits[name]} does not fit the seed layout ({bits} bits)"
+                )
 
     def sampling_settings(self, protocol: ChatProtocol) -> SamplingSettings:
         return SamplingSettings(self.temperature, self.top_p, protocol.stop_token_ids, protocol.stop_strings)
@@ -143,14 +168,18 @@ class PendingExecution:
     completion_tokens: list[int]  # C(i)
 
 
-def start_trajectories(examples: Sequence[MathExample], protocol: ChatProtocol, config: RolloutConfig) -> list[Trajectory]:
+def start_trajectories(
+    examples: Sequence[MathExample], protocol: ChatProtocol, config: RolloutConfig
+) -> list[Trajectory]:
     """`group_size` independent branches per question, all waiting on the question's first prompt."""
     trajectories = []
     for question_index, example in enumerate(examples):
         messages = protocol.initial_messages(example.question)
         prompt = protocol.build_prompt(messages)
         for group_index in range(config.group_size):
-            trajectories.append(Trajectory(example, question_index, group_index, [dict(m) for m in messages], list(prompt)))
+            trajectories.append(
+                Trajectory(example, question_index, group_index, [dict(m) for m in messages], list(prompt))
+            )
     return trajectories
 
 
@@ -169,7 +198,9 @@ def turn_budget(trajectory: Trajectory, protocol: ChatProtocol, config: RolloutC
     return min(config.max_assistant_tokens, remaining)
 
 
-def make_request(trajectories: Sequence[Trajectory], protocol: ChatProtocol, config: RolloutConfig, step: int) -> SampleRequest | None:
+def make_request(
+    trajectories: Sequence[Trajectory], protocol: ChatProtocol, config: RolloutConfig, step: int
+) -> SampleRequest | None:
     """One request for branches that share a prompt (a question's whole group in the first round, a
     single branch later). Ends them instead when no token can be generated within budget."""
     first = trajectories[0]
@@ -188,7 +219,9 @@ def make_request(trajectories: Sequence[Trajectory], protocol: ChatProtocol, con
     )
 
 
-def plan_requests(trajectories: Sequence[Trajectory], protocol: ChatProtocol, config: RolloutConfig, step: int) -> list[SampleRequest]:
+def plan_requests(
+    trajectories: Sequence[Trajectory], protocol: ChatProtocol, config: RolloutConfig, step: int
+) -> list[SampleRequest]:
     """Requests for every live trajectory: branches with no turn yet share their question's first
     prompt and are asked for together (n = group size); every other branch alone (n = 1)."""
     groups: dict[tuple[int, int], list[Trajectory]] = defaultdict(list)
@@ -200,38 +233,74 @@ def plan_requests(trajectories: Sequence[Trajectory], protocol: ChatProtocol, co
     return [request for request in requests if request is not None]
 
 
-def begin_advance(trajectory: Trajectory, sequence: SampledSequence, request: SampleRequest, protocol: ChatProtocol, config: RolloutConfig) -> PendingExecution | None:
+def stop_reason_of(
+    kind: str, text: str, sequence: SampledSequence, request: SampleRequest, config: RolloutConfig
+) -> str:
+    """Why a turn without a runnable call ends its trajectory. A turn cut off by the token cap with no
+    \\boxed{} answer did not answer: it ran out of its own budget (turn_budget) or the trajectory's
+    (token_budget)."""
+    if sequence.finish_reason == "length" and last_boxed(text) is None:
+        return "turn_budget" if request.max_tokens >= config.max_assistant_tokens else "token_budget"
+    return "answer" if kind == "answer" else "invalid"
+
+
+def begin_advance(
+    trajectory: Trajectory,
+    sequence: SampledSequence,
+    request: SampleRequest,
+    protocol: ChatProtocol,
+    config: RolloutConfig,
+) -> PendingExecution | None:
     """Records the sampled turn first, then parses it: a runnable tool call becomes a pending
     execution; anything else ends the trajectory."""
     text = protocol.decode(list(sequence.tokens)).strip()  # text from the tokens, never trusted separately
-    turn = AssistantTurn(list(request.prompt_tokens), list(sequence.tokens), list(sequence.logprobs), text, sequence.finish_reason, request.seed)
+    turn = AssistantTurn(
+        list(request.prompt_tokens),
+        list(sequence.tokens),
+        list(sequence.logprobs),
+        text,
+        sequence.finish_reason,
+        request.seed,
+    )
     trajectory.turns.append(turn)
     parsed = parse_assistant(text, protocol.tool_format)
     turn.kind = parsed.kind
     messages_before_assistant = list(trajectory.messages)
     trajectory.messages.append(protocol.assistant_message(text))
     if parsed.kind != "tool":
-        trajectory.end("answer" if parsed.kind == "answer" else "invalid", text)
+        trajectory.end(stop_reason_of(parsed.kind, text, sequence, request, config), text)
         return None
     if not can_code(trajectory, config, turns_after_this=len(trajectory.turns)):
         trajectory.end("max_code_calls" if trajectory.code_calls >= config.max_code_calls else "max_turns", text)
         return None
     call_id = f"code-{trajectory.question_index}-{trajectory.group_index}-{trajectory.code_calls + 1}"
-    return PendingExecution(trajectory, parsed.code, call_id, messages_before_assistant, text, turn.prompt_tokens, turn.completion_tokens)
+    return PendingExecution(
+        trajectory, parsed.code, call_id, messages_before_assistant, text, turn.prompt_tokens, turn.completion_tokens
+    )
 
 
-def apply_samples(trajectories: Sequence[Trajectory], requests: Sequence[SampleRequest], replies: Sequence[Sequence[SampledSequence]], protocol: ChatProtocol, config: RolloutConfig) -> list[PendingExecution]:
+def apply_samples(
+    trajectories: Sequence[Trajectory],
+    requests: Sequence[SampleRequest],
+    replies: Sequence[Sequence[SampledSequence]],
+    protocol: ChatProtocol,
+    config: RolloutConfig,
+) -> list[PendingExecution]:
     by_branch = {(t.question_index, t.group_index): t for t in trajectories}
     pendings = []
     for request, sequences in zip(requests, replies, strict=True):
         for group_index, sequence in zip(request.group_indices, sequences, strict=True):
-            pending = begin_advance(by_branch[(request.question_index, group_index)], sequence, request, protocol, config)
+            pending = begin_advance(
+                by_branch[(request.question_index, group_index)], sequence, request, protocol, config
+            )
             if pending is not None:
                 pendings.append(pending)
     return pendings
 
 
-def fit_tool_content(pending: PendingExecution, content: str, protocol: ChatProtocol, config: RolloutConfig) -> tuple[str, list[int]] | None:
+def fit_tool_content(
+    pending: PendingExecution, content: str, protocol: ChatProtocol, config: RolloutConfig
+) -> tuple[str, list[int]] | None:
     """The observation and next prompt, with the content cut to its tail so that it holds at most
     max_tool_response_tokens and the next prompt at most max_trajectory_tokens, both counted on the
     real tokens. Each retry keeps strictly fewer tokens, so this always ends; None when even the bare
@@ -242,9 +311,18 @@ def fit_tool_content(pending: PendingExecution, content: str, protocol: ChatProt
         if keep == len(content_ids):
             text = content
         else:
-            text = TRUNCATION_MARKER + protocol.decode(content_ids[len(content_ids) - keep :]) if keep else TRUNCATION_MARKER.rstrip("\n")
-        next_prompt = protocol.build_next_prompt(pending.prompt_tokens, pending.completion_tokens, pending.messages_before_assistant, text, pending.call_id)
-        overflow = max(protocol.count_tokens(text) - config.max_tool_response_tokens, len(next_prompt) - config.max_trajectory_tokens)
+            text = (
+                TRUNCATION_MARKER + protocol.decode(content_ids[len(content_ids) - keep :])
+                if keep
+                else TRUNCATION_MARKER.rstrip("\n")
+            )
+        next_prompt = protocol.build_next_prompt(
+            pending.prompt_tokens, pending.completion_tokens, pending.messages_before_assistant, text, pending.call_id
+        )
+        overflow = max(
+            protocol.count_tokens(text) - config.max_tool_response_tokens,
+            len(next_prompt) - config.max_trajectory_tokens,
+        )
         if overflow <= 0:
             return text, next_prompt
         if keep == 0:
@@ -252,7 +330,9 @@ def fit_tool_content(pending: PendingExecution, content: str, protocol: ChatProt
         keep = max(0, min(keep - overflow, keep - 1))
 
 
-def finish_advance(pending: PendingExecution, result: ExecutionResult, content: str, protocol: ChatProtocol, config: RolloutConfig) -> None:
+def finish_advance(
+    pending: PendingExecution, result: ExecutionResult, content: str, protocol: ChatProtocol, config: RolloutConfig
+) -> None:
     """Appends the observation and the next prompt, or ends the trajectory when it cannot fit."""
     trajectory = pending.trajectory
     fitted = fit_tool_content(pending, content, protocol, config)
@@ -266,7 +346,13 @@ def finish_advance(pending: PendingExecution, result: ExecutionResult, content: 
     trajectory.code_calls += 1
 
 
-def apply_results(pendings: Sequence[PendingExecution], results: Sequence[ExecutionResult], sandbox: Sandbox, protocol: ChatProtocol, config: RolloutConfig) -> None:
+def apply_results(
+    pendings: Sequence[PendingExecution],
+    results: Sequence[ExecutionResult],
+    sandbox: Sandbox,
+    protocol: ChatProtocol,
+    config: RolloutConfig,
+) -> None:
     for pending, result in zip(pendings, results, strict=True):
         content = neutralise(sandbox.observation(result), protocol.forbidden_strings)
         finish_advance(pending, result, content, protocol, config)
@@ -274,14 +360,21 @@ def apply_results(pendings: Sequence[PendingExecution], results: Sequence[Execut
 
 def score_trajectory(trajectory: Trajectory) -> None:
     score = score_answer(trajectory.final_text, trajectory.example.answer)
-    trajectory.reward, trajectory.valid_format, trajectory.correct, trajectory.extracted_answer = score.reward, score.valid_format, score.correct, score.extracted_answer
+    trajectory.reward, trajectory.valid_format, trajectory.correct, trajectory.extracted_answer = (
+        score.reward,
+        score.valid_format,
+        score.correct,
+        score.extracted_answer,
+    )
 
 
 def assign_group_advantages(trajectories: Sequence[Trajectory]) -> None:
     """A = R - mean(R of the same question in this step). Every reward must already be set."""
     unscored = [t for t in trajectories if t.reward is None]
     if unscored:
-        raise ValueError(f"{len(unscored)} trajectories have no reward yet; score every trajectory before computing advantages")
+        raise ValueError(
+            f"{len(unscored)} trajectories have no reward yet; score every trajectory before computing advantages"
+        )
     groups: dict[int, list[Trajectory]] = defaultdict(list)
     for trajectory in trajectories:
         groups[trajectory.question_index].append(trajectory)

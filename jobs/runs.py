@@ -40,12 +40,19 @@ def rollout_settings(settings: RunSettings, evaluation: EvalSpec | None) -> RunS
     questions = len(_examples(evaluation.dataset))
     limit = 2 ** dict(SEED_FIELDS)["question_index"]
     if questions > limit:
-        raise SettingsError(f"evaluation dataset {evaluation.dataset}: {questions} questions, over the {limit} one evaluation can seed apart; split the file")
+        raise SettingsError(
+            f"evaluation dataset {evaluation.dataset}: {questions} questions, over the {limit} one evaluation can "
+            "seed apart; split the file"
+        )
     text_only = evaluation.mode == "text-only"
     return replace(
-        settings, seed=settings.seed ^ 0x8000,  # evaluation draws apart from training's draws
-        train_data=evaluation.dataset, questions_per_step=questions, group_size=evaluation.n,
-        shards=min(settings.shards, questions), use_tools=not text_only,
+        settings,
+        seed=settings.seed ^ 0x8000,  # evaluation draws apart from training's draws
+        train_data=evaluation.dataset,
+        questions_per_step=questions,
+        group_size=evaluation.n,
+        shards=min(settings.shards, questions),
+        use_tools=not text_only,
         max_assistant_turns=1 if text_only else settings.max_assistant_turns,
     )
 
@@ -54,7 +61,13 @@ def step_folder(settings: RunSettings, step: int, evaluation: EvalSpec | None = 
     if evaluation is None:
         return settings.run_dir / f"step={step:04d}"
     name = ("sft" if evaluation.sft else "base") if step < 0 else f"{step:04d}"
-    return settings.run_dir / "eval" / Path(evaluation.dataset).stem / f"{evaluation.mode}-n{evaluation.n}" / f"step={name}"
+    return (
+        settings.run_dir
+        / "eval"
+        / Path(evaluation.dataset).stem
+        / f"{evaluation.mode}-n{evaluation.n}"
+        / f"step={name}"
+    )
 
 
 def checkpoint_dir(settings: RunSettings, step: int) -> Path:

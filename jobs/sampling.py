@@ -55,17 +55,29 @@ class SamplerContractError(ValueError):
 
 def check_reply(request: SampleRequest, sequences: Sequence[SampledSequence]) -> None:
     if len(sequences) != request.num_samples:
-        raise SamplerContractError(f"{request.describe()}: asked for {request.num_samples} sequences, got {len(sequences)}")
+        raise SamplerContractError(
+            f"{request.describe()}: asked for {request.num_samples} sequences, got {len(sequences)}"
+        )
     for number, sequence in enumerate(sequences):
         if len(sequence.tokens) != len(sequence.logprobs):
             raise SamplerContractError(
-                f"{request.describe()}: sequence {number} has {len(sequence.tokens)} tokens but {len(sequence.logprobs)} logprobs"
+                f"{request.describe()}: sequence {number} has {len(sequence.tokens)} tokens but "
+                f"{len(sequence.logprobs)} logprobs"
             )
         if len(sequence.tokens) > request.max_tokens:
-            raise SamplerContractError(f"{request.describe()}: sequence {number} has {len(sequence.tokens)} tokens, over max_tokens={request.max_tokens}")
+            raise SamplerContractError(
+                f"{request.describe()}: sequence {number} has {len(sequence.tokens)} tokens, over "
+                f"max_tokens={request.max_tokens}"
+            )
 
 
-def sample_checked(sampler: Sampler, requests: Sequence[SampleRequest], settings: SamplingSettings, attempts: int = 3, backoff_seconds: float = 1.0) -> list[list[SampledSequence]]:
+def sample_checked(
+    sampler: Sampler,
+    requests: Sequence[SampleRequest],
+    settings: SamplingSettings,
+    attempts: int = 3,
+    backoff_seconds: float = 1.0,
+) -> list[list[SampledSequence]]:
     """Samples with retries on transient failures (exponential backoff); contract errors fail at once."""
     if not requests:
         return []
@@ -77,7 +89,9 @@ def sample_checked(sampler: Sampler, requests: Sequence[SampleRequest], settings
             raise
         except Exception as error:
             if attempt == attempts:
-                raise RuntimeError(f"sampler failed {attempts} times for {len(requests)} requests; last error: {error!r}") from error
+                raise RuntimeError(
+                    f"sampler failed {attempts} times for {len(requests)} requests; last error: {error!r}"
+                ) from error
             delay = backoff_seconds * 2 ** (attempt - 1)
             log.warning("sampler call failed (%r); retry %d/%d in %.1f s", error, attempt, attempts - 1, delay)
             time.sleep(delay)
@@ -107,7 +121,9 @@ class ScriptedSampler:
             sequences = []
             for index in range(request.num_samples):
                 tokens, logprobs = (list(values) for values in self.script(request, index))
-                stop_at = next((position + 1 for position, token in enumerate(tokens) if token in settings.stop_token_ids), None)
+                stop_at = next(
+                    (position + 1 for position, token in enumerate(tokens) if token in settings.stop_token_ids), None
+                )
                 finish = "stop"
                 if stop_at is not None:
                     tokens, logprobs = tokens[:stop_at], logprobs[:stop_at]

@@ -10,15 +10,15 @@ import asyncio
 import json
 import logging
 import os
+import queue
+import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
-import queue
-import select
-import socket
 import time
 import uuid
 import weakref
@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from jobs.protocol import PROTOCOL_TAGS
 
 log = logging.getLogger(__name__)
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
@@ -43,10 +45,11 @@ DIE_WITH_PARENT = ("setpriv", "--pdeathsig", "KILL") if shutil.which("setpriv") 
 WORKDIR_PREFIX = "retool-sandbox-"  # then the pid of the process that runs the call
 PIDS_CGROUP_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))
 # Names of the protocol's own wrapper tags: code output must not be able to fake them.
-PROTOCOL_MARKERS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 _ZERO_WIDTH_SPACE = "\u200b"
 # Thread pools inside numpy/BLAS would oversubscribe the machine with parallel calls.
-_SINGLE_THREADED = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")}
+_SINGLE_THREADED = {
+    name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+}
 # Hardware workarounds for OpenBLAS on some processors; not secrets, and numpy may crash without them.
 _PASSED_THROUGH = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 
@@ -103,8 +106,16 @@ class Containment:
     pids_cgroup: Path | None  # where per-call pids cgroups are made
 
     def describe(self) -> str:
-        parts = ["namespaces (no network, own PIDs, read-only filesystem but its directory, no capabilities)" if self.namespaces else "NO namespaces: network, other processes and the filesystem are reachable"]
-        parts.append(f"pids cgroup under {self.pids_cgroup}" if self.pids_cgroup else "NO pids cgroup: a fork bomb is limited only by the timeout")
+        parts = [
+            "namespaces (no network, own PIDs, read-only filesystem but its directory, no capabilities)"
+            if self.namespaces
+            else "NO namespaces: network, other processes and the filesystem are reachable"
+        ]
+        parts.append(
+            f"pids cgroup under {self.pids_cgroup}"
+            if self.pids_cgroup
+            else "NO pids cgroup: a fork bomb is limited only by the timeout"
+        )
         return "; ".join(parts)
 
 
@@ -120,7 +131,9 @@ def probe_containment() -> Containment:
         pids_cgroup.mkdir(parents=True, exist_ok=True)
     for root in () if pids_cgroup else PIDS_CGROUP_ROOTS:
         # cgroup v1 mounts the pids controller on its own; v2 lists it among the enabled controllers
-        if (root / "cgroup.procs").exists() and (root.name == "pids" or "pids" in _read(root / "cgroup.subtree_control").split()):
+        if (root / "cgroup.procs").exists() and (
+            root.name == "pids" or "pids" in _read(root / "cgroup.subtree_control").split()
+        ):
             folder = root / "retool-sandbox"
             try:
                 folder.mkdir(exist_ok=True)
@@ -186,7 +199,7 @@ def neutralise(text: str, forbidden: Sequence[str]) -> str:
 @dataclass(eq=False)  # a resource, compared by identity
 class Sandbox:
     config: SandboxConfig = field(default_factory=SandboxConfig)
-    forbidden_strings: tuple[str, ...] = PROTOCOL_MARKERS  # neutralised in every observation
+    forbidden_strings: tuple[str, ...] = PROTOCOL_TAGS  # neutralised in every observation
     stats: SandboxStats = field(default_factory=SandboxStats)
 
     def __post_init__(self) -> None:
@@ -194,7 +207,9 @@ class Sandbox:
         self._stats_lock = threading.Lock()
         self.containment = probe_containment() if self.config.contain else Containment(False, None)
         # Fork servers, one per concurrent call; a server's timeouts rely on the pids cgroup.
-        self.prewarmed = self.config.prewarmed and self.containment.namespaces and self.containment.pids_cgroup is not None
+        self.prewarmed = (
+            self.config.prewarmed and self.containment.namespaces and self.containment.pids_cgroup is not None
+        )
         self._servers: queue.SimpleQueue = queue.SimpleQueue()  # this process's idle servers
         self._zygote: subprocess.Popen | None = None  # started by this process, or None
         self._zygote_address: str | None = None  # where any process of the pipeline connects
@@ -221,7 +236,14 @@ class Sandbox:
         self._zygote_lock = threading.Lock()
 
     def _environment(self, workdir: str) -> dict[str, str]:
-        environment = {"PATH": os.defpath, "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "MPLBACKEND": "Agg"}
+        environment = {
+            "PATH": os.defpath,
+            "HOME": workdir,
+            "TMPDIR": workdir,
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "MPLBACKEND": "Agg",
+        }
         environment.update(_SINGLE_THREADED)
         environment.update({name: os.environ[name] for name in _PASSED_THROUGH if name in os.environ})
         return environment
@@ -233,7 +255,13 @@ class Sandbox:
                 result = self._run(code)
             except Exception as error:  # the sandbox itself failed: only this call is affected
                 log.exception("sandbox call failed")
-                result = ExecutionResult("error", "", f"SandboxError: the sandbox could not run this code ({type(error).__name__}: {error})\n", 0.0, None)
+                result = ExecutionResult(
+                    "error",
+                    "",
+                    f"SandboxError: the sandbox could not run this code ({type(error).__name__}: {error})\n",
+                    0.0,
+                    None,
+                )
         with self._stats_lock:
             self.stats.record(result)
         return result
@@ -246,13 +274,26 @@ class Sandbox:
         if not codes:
             return []
         with ThreadPoolExecutor(max_workers=min(len(codes), self.config.max_workers)) as pool:
-            return list(tqdm(pool.map(self.run_code, codes), total=len(codes), desc="running tool calls", unit="call", leave=False, disable=None))
+            return list(
+                tqdm(
+                    pool.map(self.run_code, codes),
+                    total=len(codes),
+                    desc="running tool calls",
+                    unit="call",
+                    leave=False,
+                    disable=None,
+                )
+            )
 
     def _run(self, code: str) -> ExecutionResult:
         config, containment = self.config, self.containment
         workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
         # A cold call gets a pids cgroup of its own; a warm one is born into its server's.
-        cgroup = containment.pids_cgroup / f"{os.getpid()}-{uuid.uuid4().hex}" if containment.pids_cgroup and not self.prewarmed else None
+        cgroup = (
+            containment.pids_cgroup / f"{os.getpid()}-{uuid.uuid4().hex}"
+            if containment.pids_cgroup and not self.prewarmed
+            else None
+        )
         try:
             code_file, out_file, err_file = (Path(workdir, name) for name in ("cell.py", ".stdout", ".stderr"))
             code_file.write_text(code, encoding="utf-8")
@@ -262,16 +303,22 @@ class Sandbox:
                 cgroup.mkdir()
                 (cgroup / "pids.max").write_text(str(config.max_processes))
             settings = {
-                "code_file": str(code_file), "workdir": workdir, "contained": containment.namespaces,
-                "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup else None, "cpu_seconds": config.cpu_seconds,
-                "memory_bytes": config.memory_mb * 2**20, "file_bytes": config.file_mb * 2**20,
+                "code_file": str(code_file),
+                "workdir": workdir,
+                "contained": containment.namespaces,
+                "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup else None,
+                "cpu_seconds": config.cpu_seconds,
+                "memory_bytes": config.memory_mb * 2**20,
+                "file_bytes": config.file_mb * 2**20,
                 "environment": self._environment(workdir),
             }
             settings_file = Path(workdir, ".settings.json")
             settings_file.write_text(json.dumps(settings))
             started = time.perf_counter()
             try:
-                exit_code = self._run_prewarmed(settings_file) if self.prewarmed else self._run_cold(settings_file, workdir)
+                exit_code = (
+                    self._run_prewarmed(settings_file) if self.prewarmed else self._run_cold(settings_file, workdir)
+                )
             finally:
                 if cgroup:
                     _empty_cgroup(cgroup)  # kills whatever is left, wherever it went
@@ -289,11 +336,24 @@ class Sandbox:
 
     def _run_cold(self, settings_file: Path, workdir: str) -> int | None:
         """A new interpreter for the call (in new namespaces when available); None after a timeout."""
-        argv = [*DIE_WITH_PARENT, *(UNSHARE if self.containment.namespaces else ()), self.config.python, "-I", str(RUNNER), str(settings_file)]
+        argv = [
+            *DIE_WITH_PARENT,
+            *(UNSHARE if self.containment.namespaces else ()),
+            self.config.python,
+            "-I",
+            str(RUNNER),
+            str(settings_file),
+        ]
         with open(Path(workdir, ".stdout"), "ab") as stdout, open(Path(workdir, ".stderr"), "ab") as stderr:
             child = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, cwd=workdir,
-                env=self._environment(workdir), close_fds=True, start_new_session=True,
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                cwd=workdir,
+                env=self._environment(workdir),
+                close_fds=True,
+                start_new_session=True,
             )
             try:
                 return child.wait(timeout=self.config.timeout_seconds)
@@ -354,13 +414,21 @@ class Sandbox:
         """Starts the zygote on first use (one per pipeline: forked processes inherit its address)."""
         with self._zygote_lock:
             if self._zygote_address is None:
-                address = f"\0retool-sandbox-{os.getpid()}-{uuid.uuid4().hex}"  # abstract: lives in this network namespace only
+                # abstract: lives in this network namespace only
+                address = f"\0retool-sandbox-{os.getpid()}-{uuid.uuid4().hex}"
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
                     listener.bind(address)
                     listener.listen(64)
                     zygote = subprocess.Popen(
-                        [self.config.python, "-I", str(FORK_SERVER), str(listener.fileno())], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                        cwd="/", env=self._environment(tempfile.gettempdir()), close_fds=True, start_new_session=True, text=True,
+                        [self.config.python, "-I", str(FORK_SERVER), str(listener.fileno())],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.DEVNULL,
+                        cwd="/",
+                        env=self._environment(tempfile.gettempdir()),
+                        close_fds=True,
+                        start_new_session=True,
+                        text=True,
                         pass_fds=(listener.fileno(),),
                     )
                 if zygote.stdout.readline() != "ready\n":
@@ -489,18 +557,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Run a Python file in the sandbox and print what the model would see.")
     parser.add_argument("file", type=Path, help="Python file to run")
     parser.add_argument("--json", action="store_true", help="print status, stdout, stderr and seconds as JSON")
-    parser.add_argument("--timeout", type=float, default=SandboxConfig.timeout_seconds, help="wall-clock limit in seconds")
+    parser.add_argument(
+        "--timeout", type=float, default=SandboxConfig.timeout_seconds, help="wall-clock limit in seconds"
+    )
     parser.add_argument("--memory-mb", type=int, default=SandboxConfig.memory_mb, help="address-space limit in MB")
     parser.add_argument("--tokenizer", help="model folder whose special tokens are neutralised in the output")
     args = parser.parse_args(argv)
     if not args.file.is_file():
         parser.error(f"{args.file}: no such file")
-    forbidden = PROTOCOL_MARKERS
+    forbidden = PROTOCOL_TAGS
     if args.tokenizer:
-        from jobs.protocol import special_token_strings, load_tokenizer
+        from jobs.protocol import load_tokenizer, special_token_strings
 
         forbidden = forbidden + special_token_strings(load_tokenizer(args.tokenizer))
-    sandbox = Sandbox(SandboxConfig(timeout_seconds=args.timeout, memory_mb=args.memory_mb), forbidden_strings=forbidden)
+    sandbox = Sandbox(
+        SandboxConfig(timeout_seconds=args.timeout, memory_mb=args.memory_mb), forbidden_strings=forbidden
+    )
     result = sandbox.run_code(args.file.read_text(encoding="utf-8"))
     if args.json:
         print(json.dumps({key: value for key, value in asdict(result).items()}, ensure_ascii=False, indent=2))

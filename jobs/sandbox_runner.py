@@ -73,7 +73,13 @@ def with_trailing_print(tree: ast.Module) -> ast.Module:
             ast.Assign(targets=[ast.Name(id="__retool_value__", ctx=ast.Store())], value=last.value),
             ast.If(
                 test=ast.Compare(left=value, ops=[ast.IsNot()], comparators=[ast.Constant(None)]),
-                body=[ast.Expr(ast.Call(ast.Name("print", ast.Load()), [ast.Call(ast.Name("repr", ast.Load()), [value], [])], []))],
+                body=[
+                    ast.Expr(
+                        ast.Call(
+                            ast.Name("print", ast.Load()), [ast.Call(ast.Name("repr", ast.Load()), [value], [])], []
+                        )
+                    )
+                ],
                 orelse=[],
             ),
         ]
@@ -115,7 +121,10 @@ def run_contained(settings: dict) -> int:
 def redirect_output(workdir: str) -> None:
     """Standard input from /dev/null, output appended to the call's .stdout and .stderr files."""
     opened = [os.open(os.devnull, os.O_RDONLY)]
-    opened += [os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600) for name in (".stdout", ".stderr")]
+    opened += [
+        os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        for name in (".stdout", ".stderr")
+    ]
     for fd, source in enumerate(opened):
         os.dup2(source, fd)
     os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the code inherits nothing else
@@ -127,7 +136,12 @@ def run_cell(settings: dict) -> int:
     sys.stderr.reconfigure(errors="backslashreplace")
     with open(settings["code_file"], encoding="utf-8") as handle:
         source = handle.read()
-    linecache.cache["<code>"] = (len(source), None, source.splitlines(keepends=True), "<code>")  # source lines in tracebacks
+    linecache.cache["<code>"] = (
+        len(source),
+        None,
+        source.splitlines(keepends=True),
+        "<code>",
+    )  # source lines in tracebacks
     try:
         tree = with_trailing_print(ast.parse(source, filename="<code>"))
     except SyntaxError as error:
@@ -162,10 +176,14 @@ def flush_streams() -> bool:
         except (OSError, ValueError) as error:
             flushed = False
             try:
-                os.write(2, f"OSError: the code closed its standard {name}; what it printed there is lost ({error})\n".encode())
+                os.write(
+                    2,
+                    f"OSError: the code closed its standard {name}; what it printed there is lost ({error})\n".encode(),
+                )
             except OSError:
                 pass
     return flushed
+
 
 if __name__ == "__main__":
     sys.exit(main())

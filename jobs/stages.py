@@ -45,15 +45,28 @@ def shard_of(question_index: int, shards: int) -> int:
 def prompts_table(examples: Sequence[MathExample], protocol: ChatProtocol, step: int) -> pa.Table:
     rows = []
     for question_index, example in enumerate(examples):
-        rows.append({
-            "step": step, "question_index": question_index, "example_id": example.id, "question": example.question,
-            "answer": example.answer, "data_source": example.data_source,
-            "prompt_tokens": protocol.build_prompt(protocol.initial_messages(example.question)),
-        })
+        rows.append(
+            {
+                "step": step,
+                "question_index": question_index,
+                "example_id": example.id,
+                "question": example.question,
+                "answer": example.answer,
+                "data_source": example.data_source,
+                "prompt_tokens": protocol.build_prompt(protocol.initial_messages(example.question)),
+            }
+        )
     return table_from_rows(rows, PROMPTS)
 
 
-def replay(prompts: pa.Table, rounds: Sequence[RoundFiles], protocol: ChatProtocol, config: RolloutConfig, shard: int = 0, shards: int = 1) -> list[Trajectory]:
+def replay(
+    prompts: pa.Table,
+    rounds: Sequence[RoundFiles],
+    protocol: ChatProtocol,
+    config: RolloutConfig,
+    shard: int = 0,
+    shards: int = 1,
+) -> list[Trajectory]:
     """The trajectories of one shard as they stand after `rounds`, rebuilt from the files alone."""
     trajectories: list[Trajectory] = []
     for row in prompts.to_pylist():
@@ -62,12 +75,25 @@ def replay(prompts: pa.Table, rounds: Sequence[RoundFiles], protocol: ChatProtoc
         example = MathExample(row["example_id"], row["question"], row["answer"], row["data_source"])
         messages = protocol.initial_messages(example.question)
         for group_index in range(config.group_size):
-            trajectories.append(Trajectory(example, row["question_index"], group_index, [dict(m) for m in messages], list(row["prompt_tokens"])))
+            trajectories.append(
+                Trajectory(
+                    example, row["question_index"], group_index, [dict(m) for m in messages], list(row["prompt_tokens"])
+                )
+            )
     by_branch = {(t.question_index, t.group_index): t for t in trajectories}
     for files in rounds:
         for row in files.samples.to_pylist():
             trajectory = by_branch[(row["question_index"], row["group_index"])]
-            trajectory.turns.append(AssistantTurn(row["prompt_tokens"], row["completion_tokens"], row["logprobs"], row["text"], row["finish_reason"], row["seed"]))
+            trajectory.turns.append(
+                AssistantTurn(
+                    row["prompt_tokens"],
+                    row["completion_tokens"],
+                    row["logprobs"],
+                    row["text"],
+                    row["finish_reason"],
+                    row["seed"],
+                )
+            )
             trajectory.messages.append(protocol.assistant_message(row["text"]))
         for row in files.observations.to_pylist():
             _restore_observation(by_branch[(row["question_index"], row["group_index"])], row, protocol)
@@ -79,7 +105,9 @@ def _restore_observation(trajectory: Trajectory, row: dict, protocol: ChatProtoc
         turn = trajectory.turns[-1]
         turn.kind = row["kind"]
         if row["call_id"] is not None:
-            turn.tool_call = ToolCall(row["call_id"], row["code"], row["exec_status"], row["exec_seconds"], row["tool_content"])
+            turn.tool_call = ToolCall(
+                row["call_id"], row["code"], row["exec_status"], row["exec_seconds"], row["tool_content"]
+            )
             if not row["done"]:  # executed and appended
                 trajectory.messages.append(protocol.tool_message(row["tool_content"], row["call_id"]))
     trajectory.code_calls = row["code_calls"]
@@ -88,7 +116,14 @@ def _restore_observation(trajectory: Trajectory, row: dict, protocol: ChatProtoc
         trajectory.done, trajectory.stop_reason, trajectory.final_text = True, row["stop_reason"], row["final_text"]
 
 
-def sample_round(trajectories: Sequence[Trajectory], get_sampler: Callable[[], Sampler], protocol: ChatProtocol, config: RolloutConfig, step: int, round_index: int) -> pa.Table:
+def sample_round(
+    trajectories: Sequence[Trajectory],
+    get_sampler: Callable[[], Sampler],
+    protocol: ChatProtocol,
+    config: RolloutConfig,
+    step: int,
+    round_index: int,
+) -> pa.Table:
     """SampleRound: one row per sampled sequence for every live trajectory with budget left. The
     engine is only loaded when there is something to sample."""
     requests = plan_requests(trajectories, protocol, config, step)
@@ -96,38 +131,66 @@ def sample_round(trajectories: Sequence[Trajectory], get_sampler: Callable[[], S
     rows = []
     for request, sequences in zip(requests, replies, strict=True):
         for group_index, sequence in zip(request.group_indices, sequences, strict=True):
-            rows.append({
-                "step": step, "round": round_index, "question_index": request.question_index, "group_index": group_index,
-                "prompt_tokens": list(request.prompt_tokens), "completion_tokens": list(sequence.tokens),
-                "logprobs": list(sequence.logprobs), "text": protocol.decode(list(sequence.tokens)).strip(),
-                "finish_reason": sequence.finish_reason, "seed": request.seed,
-            })
+            rows.append(
+                {
+                    "step": step,
+                    "round": round_index,
+                    "question_index": request.question_index,
+                    "group_index": group_index,
+                    "prompt_tokens": list(request.prompt_tokens),
+                    "completion_tokens": list(sequence.tokens),
+                    "logprobs": list(sequence.logprobs),
+                    "text": protocol.decode(list(sequence.tokens)).strip(),
+                    "finish_reason": sequence.finish_reason,
+                    "seed": request.seed,
+                }
+            )
     return table_from_rows(rows, SAMPLES)
 
 
-def _replies_from_samples(requests: Sequence[SampleRequest], samples: pa.Table, round_index: int) -> list[list[SampledSequence]]:
+def _replies_from_samples(
+    requests: Sequence[SampleRequest], samples: pa.Table, round_index: int
+) -> list[list[SampledSequence]]:
     rows = {(row["question_index"], row["group_index"]): row for row in samples.to_pylist()}
     expected = {(r.question_index, g) for r in requests for g in r.group_indices}
     if set(rows) != expected:
-        raise StaleInputError(f"round {round_index}: samples.parquet holds branches {sorted(rows)} but the state asks for {sorted(expected)}; re-run its SampleRound")
+        raise StaleInputError(
+            f"round {round_index}: samples.parquet holds branches {sorted(rows)} but the state asks for "
+            f"{sorted(expected)}; re-run its SampleRound"
+        )
     replies = []
     for request in requests:
         sequences = []
         for group_index in request.group_indices:
             row = rows[(request.question_index, group_index)]
             if row["seed"] != request.seed or row["prompt_tokens"] != list(request.prompt_tokens):
-                raise StaleInputError(f"round {round_index}: samples for question {request.question_index} branch {group_index} were drawn from another prompt or seed; re-run its SampleRound")
-            sequences.append(SampledSequence(tuple(row["completion_tokens"]), tuple(row["logprobs"]), row["finish_reason"]))
+                raise StaleInputError(
+                    f"round {round_index}: samples for question {request.question_index} branch {group_index} were "
+                    "drawn from another prompt or seed; re-run its SampleRound"
+                )
+            sequences.append(
+                SampledSequence(tuple(row["completion_tokens"]), tuple(row["logprobs"]), row["finish_reason"])
+            )
         replies.append(sequences)
     return replies
 
 
-def execute_round(trajectories: Sequence[Trajectory], samples: pa.Table, sandbox, protocol: ChatProtocol, config: RolloutConfig, step: int, round_index: int) -> pa.Table:
+def execute_round(
+    trajectories: Sequence[Trajectory],
+    samples: pa.Table,
+    sandbox,
+    protocol: ChatProtocol,
+    config: RolloutConfig,
+    step: int,
+    round_index: int,
+) -> pa.Table:
     """ExecuteRound: parses this round's samples, runs the tool calls, and records the state of every
     trajectory that was live at the start of the round."""
     live = [t for t in trajectories if not t.done]
     requests = plan_requests(trajectories, protocol, config, step)  # the same plan SampleRound made
-    pendings = apply_samples(trajectories, requests, _replies_from_samples(requests, samples, round_index), protocol, config)
+    pendings = apply_samples(
+        trajectories, requests, _replies_from_samples(requests, samples, round_index), protocol, config
+    )
     apply_results(pendings, sandbox.run_many([p.code for p in pendings]), sandbox, protocol, config)
     return table_from_rows([observation_row(t, step, round_index) for t in live], OBSERVATIONS)
 
@@ -137,13 +200,22 @@ def observation_row(trajectory: Trajectory, step: int, round_index: int) -> dict
     turn = trajectory.turns[-1] if sampled else None
     call = turn.tool_call if turn else None
     return {
-        "step": step, "round": round_index, "question_index": trajectory.question_index, "group_index": trajectory.group_index,
+        "step": step,
+        "round": round_index,
+        "question_index": trajectory.question_index,
+        "group_index": trajectory.group_index,
         "kind": turn.kind if turn else None,
-        "code": call.code if call else None, "call_id": call.call_id if call else None,
-        "exec_status": call.status if call else None, "exec_seconds": call.seconds if call else None,
+        "code": call.code if call else None,
+        "call_id": call.call_id if call else None,
+        "exec_status": call.status if call else None,
+        "exec_seconds": call.seconds if call else None,
         "tool_content": call.content if call else None,
-        "next_prompt_tokens": trajectory.next_prompt_tokens, "code_calls": trajectory.code_calls, "turns": len(trajectory.turns),
-        "done": trajectory.done, "stop_reason": trajectory.stop_reason, "final_text": trajectory.final_text if trajectory.done else None,
+        "next_prompt_tokens": trajectory.next_prompt_tokens,
+        "code_calls": trajectory.code_calls,
+        "turns": len(trajectory.turns),
+        "done": trajectory.done,
+        "stop_reason": trajectory.stop_reason,
+        "final_text": trajectory.final_text if trajectory.done else None,
     }
 
 
@@ -151,7 +223,9 @@ def score_step(trajectories: Sequence[Trajectory], step: int) -> pa.Table:
     """ScoreTrajectories: every reward first, then advantages within each question's group."""
     live = [t for t in trajectories if not t.done]
     if live:
-        raise StaleInputError(f"{len(live)} trajectories are still live after the last round; the round files are incomplete")
+        raise StaleInputError(
+            f"{len(live)} trajectories are still live after the last round; the round files are incomplete"
+        )
     ordered = sorted(trajectories, key=lambda t: (t.question_index, t.group_index))
     for trajectory in ordered:
         score_trajectory(trajectory)
@@ -163,13 +237,27 @@ def trajectories_table(trajectories: Sequence[Trajectory], step: int) -> pa.Tabl
     rows = []
     for t in trajectories:
         sequence = trajectory_sequence(t)
-        rows.append({
-            "step": step, "question_index": t.question_index, "group_index": t.group_index, "example_id": t.example.id,
-            "data_source": t.example.data_source, "answer": t.example.answer, "num_turns": len(t.turns), "code_calls": t.code_calls,
-            "stop_reason": t.stop_reason, "final_text": t.final_text, "extracted_answer": t.extracted_answer,
-            "valid_format": t.valid_format, "correct": t.correct, "reward": t.reward, "advantage": t.advantage,
-            "trajectory_tokens": len(sequence.tokens), "sampled_tokens": sum(sequence.is_action),
-        })
+        rows.append(
+            {
+                "step": step,
+                "question_index": t.question_index,
+                "group_index": t.group_index,
+                "example_id": t.example.id,
+                "data_source": t.example.data_source,
+                "answer": t.example.answer,
+                "num_turns": len(t.turns),
+                "code_calls": t.code_calls,
+                "stop_reason": t.stop_reason,
+                "final_text": t.final_text,
+                "extracted_answer": t.extracted_answer,
+                "valid_format": t.valid_format,
+                "correct": t.correct,
+                "reward": t.reward,
+                "advantage": t.advantage,
+                "trajectory_tokens": len(sequence.tokens),
+                "sampled_tokens": sum(sequence.is_action),
+            }
+        )
     return table_from_rows(rows, TRAJECTORIES)
 
 
@@ -180,9 +268,17 @@ def datums_table(trajectories: Sequence[Trajectory], scored: pa.Table, step: int
         trajectory.advantage = advantages[(trajectory.question_index, trajectory.group_index)]
     ordered = sorted(trajectories, key=lambda t: (t.question_index, t.group_index))
     rows = [
-        {"step": step, "question_index": d.question_index, "group_index": d.group_index, "input_tokens": d.input_tokens,
-         "target_tokens": d.target_tokens, "old_logprobs": d.old_logprobs, "advantages": d.advantages, "loss_mask": d.loss_mask,
-         "num_tokens": d.num_tokens}
+        {
+            "step": step,
+            "question_index": d.question_index,
+            "group_index": d.group_index,
+            "input_tokens": d.input_tokens,
+            "target_tokens": d.target_tokens,
+            "old_logprobs": d.old_logprobs,
+            "advantages": d.advantages,
+            "loss_mask": d.loss_mask,
+            "num_tokens": d.num_tokens,
+        }
         for d in build_datums(ordered, trainer_max_tokens)
     ]
     return table_from_rows(rows, DATUMS)
@@ -190,7 +286,15 @@ def datums_table(trajectories: Sequence[Trajectory], scored: pa.Table, step: int
 
 def datums_from_table(table: pa.Table) -> list[Datum]:
     return [
-        Datum(row["question_index"], row["group_index"], row["input_tokens"], row["target_tokens"], row["old_logprobs"], row["advantages"], row["loss_mask"])
+        Datum(
+            row["question_index"],
+            row["group_index"],
+            row["input_tokens"],
+            row["target_tokens"],
+            row["old_logprobs"],
+            row["advantages"],
+            row["loss_mask"],
+        )
         for row in table.to_pylist()
     ]
 
@@ -206,11 +310,15 @@ def describe(table: pa.Table) -> str:
     if "exec_status" in names:
         statuses = [s for s in table.column("exec_status").to_pylist() if s]
         done = sum(table.column("done").to_pylist())
-        return f"{table.num_rows} trajectories, {len(statuses)} tool calls ({statuses.count('ok')} ok), {done} ended"
+        calls = f"{len(statuses)} tool calls ({statuses.count('ok')} ok)"
+        return f"{table.num_rows} trajectories, {calls}, {done} ended"
     if "loss_mask" in names:
         tokens = sum(table.column("num_tokens").to_pylist())
-        return f"{table.num_rows} datums, {tokens} tokens, {sum(sum(m) for m in table.column('loss_mask').to_pylist())} loss tokens"
+        loss_tokens = sum(sum(m) for m in table.column("loss_mask").to_pylist())
+        kind = "SFT examples" if "line" in names else "datums"
+        return f"{table.num_rows} {kind}, {tokens} tokens, {loss_tokens} loss tokens"
     if "reward" in names:
         rewards = table.column("reward").to_pylist()
-        return f"{table.num_rows} trajectories, reward mean {sum(rewards) / len(rewards):+.3f}, correct {sum(table.column('correct').to_pylist())}"
+        correct = sum(table.column("correct").to_pylist())
+        return f"{table.num_rows} trajectories, reward mean {sum(rewards) / len(rewards):+.3f}, correct {correct}"
     return f"{table.num_rows} rows"

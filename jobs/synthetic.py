@@ -30,8 +30,11 @@ def modular_power(rng: random.Random) -> Problem:
     base, exponent, modulus = rng.randint(2, 999), rng.randint(10**5, 10**9), rng.randint(10**3, 10**6)
     question = f"What is the remainder when ${base}^{{{exponent}}}$ is divided by ${modulus}$?"
     return Problem(
-        question, pow(base, exponent, modulus), "The exponent is huge, so I will use modular exponentiation.",
-        f"print(pow({base}, {exponent}, {modulus}))", f"print(pow({base}, {exponent} {modulus}))",
+        question,
+        pow(base, exponent, modulus),
+        "The exponent is huge, so I will use modular exponentiation.",
+        f"print(pow({base}, {exponent}, {modulus}))",
+        f"print(pow({base}, {exponent} {modulus}))",
         "I left out a comma. Let me fix the call.",
     )
 
@@ -47,8 +50,11 @@ def conditional_count(rng: random.Random) -> Problem:
     answer = sum(1 for n in range(1, limit + 1) if (n % a == 0 or n % b == 0) and n % c != 0)
     count = f"sum(1 for n in range(1, {limit} + 1) if (n % {a} == 0 or n % {b} == 0){{}})"
     return Problem(
-        question, answer, "I will count the integers in the range with a loop.",
-        f"print({count.format(f' and n % {c} != 0')})", f"print({count.format('')})",
+        question,
+        answer,
+        "I will count the integers in the range with a loop.",
+        f"print({count.format(f' and n % {c} != 0')})",
+        f"print({count.format('')})",
         f"That count still includes the multiples of {c}. Let me exclude them.",
     )
 
@@ -59,8 +65,11 @@ def digit_sum_range(rng: random.Random) -> Problem:
     question = f"Find the sum of the digits of all the integers from ${low}$ to ${high}$ inclusive."
     total = "print(sum(sum(int(d) for d in str(n)) for n in range({}, {})))"
     return Problem(
-        question, sum(sum(map(int, str(n))) for n in range(low, high + 1)), "I will add up the digits of every integer in the range.",
-        total.format(low, f"{high} + 1"), total.format(low, high),
+        question,
+        sum(sum(map(int, str(n))) for n in range(low, high + 1)),
+        "I will add up the digits of every integer in the range.",
+        total.format(low, f"{high} + 1"),
+        total.format(low, high),
         f"range() stops before {high}, which must be included. Let me fix the range.",
     )
 
@@ -78,9 +87,13 @@ def linear_recurrence(rng: random.Random) -> Problem:
         previous, current = current, p * current + q * previous
     loop = f"a, b = {first}, {second}\nfor _ in range({index} - 2):\n    a, b = b, ({p} * b + {q} * a){{}}\nprint(b)"
     return Problem(
-        question, (current if index > 1 else first) % modulus, "I will iterate the recurrence, reducing modulo the divisor.",
-        loop.format(f" % {modulus}"), loop.format("").replace("print(b)", "print(b % 10**6, len(str(b)))"),
-        f"I forgot to reduce modulo {modulus}; that printed the last digits of a huge number. Let me reduce at every step.",
+        question,
+        (current if index > 1 else first) % modulus,
+        "I will iterate the recurrence, reducing modulo the divisor.",
+        loop.format(f" % {modulus}"),
+        loop.format("").replace("print(b)", "print(b % 10**6, len(str(b)))"),
+        f"I forgot to reduce modulo {modulus}; that printed the last digits of a huge number. Let me reduce at every "
+        "step.",
     )
 
 
@@ -88,8 +101,22 @@ def small_arithmetic(rng: random.Random) -> Problem:
     """Easy enough for a 135M model to get right sometimes: gives the CPU default a learning signal."""
     a, b = rng.randint(2, 40), rng.randint(2, 40)
     if rng.random() < 0.5:
-        return Problem(f"What is ${a} + {b}$?", a + b, "I will add the numbers.", f"print({a} + {b})", f"print({a} + {b}", "I missed a parenthesis.")
-    return Problem(f"What is ${a} \\times {b}$?", a * b, "I will multiply the numbers.", f"print({a} * {b})", f"print({a} * {b}", "I missed a parenthesis.")
+        return Problem(
+            f"What is ${a} + {b}$?",
+            a + b,
+            "I will add the numbers.",
+            f"print({a} + {b})",
+            f"print({a} + {b}",
+            "I missed a parenthesis.",
+        )
+    return Problem(
+        f"What is ${a} \\times {b}$?",
+        a * b,
+        "I will multiply the numbers.",
+        f"print({a} * {b})",
+        f"print({a} * {b}",
+        "I missed a parenthesis.",
+    )
 
 
 GENERATORS: dict[str, Callable[[random.Random], Problem]] = {
@@ -116,7 +143,9 @@ def generate(count: int, seed: int, prefix: str, kinds: list[str] | None = None)
     ]
 
 
-def solution_traces(problems: Sequence[tuple[str, Problem]], ids: Sequence[str], sandbox, mistake_share: float, seed: int):
+def solution_traces(
+    problems: Sequence[tuple[str, Problem]], ids: Sequence[str], sandbox, mistake_share: float, seed: int
+):
     """A worked solution per problem, as cold-start conversations: a line of reasoning, a code call,
     the sandbox's real output, and the \\boxed{} answer; a `mistake_share` of them first run a wrong
     attempt, see its error or wrong result, and correct it with a second call."""
@@ -124,7 +153,9 @@ def solution_traces(problems: Sequence[tuple[str, Problem]], ids: Sequence[str],
 
     rng = random.Random(seed)
     with_mistake = [rng.random() < mistake_share for _ in problems]
-    codes = [code for (_, p), wrong in zip(problems, with_mistake) for code in ([p.mistake] if wrong else []) + [p.code]]
+    codes = [
+        code for (_, p), wrong in zip(problems, with_mistake) for code in ([p.mistake] if wrong else []) + [p.code]
+    ]
     outputs = iter(sandbox.observation(result) for result in sandbox.run_many(codes))
     conversations = []
     for line, ((_, problem), id_, wrong) in enumerate(zip(problems, ids, with_mistake), start=1):
@@ -134,7 +165,9 @@ def solution_traces(problems: Sequence[tuple[str, Problem]], ids: Sequence[str],
         turns.append(SolutionTurn(problem.correction if wrong else problem.plan, problem.code, next(outputs)))
         if turns[-1].output.strip() != str(problem.answer):
             raise RuntimeError(f"the solution of {id_} printed {turns[-1].output!r}, not {problem.answer}")
-        turns.append(SolutionTurn(f"The code printed {problem.answer}, so the answer is $\\boxed{{{problem.answer}}}$."))
+        turns.append(
+            SolutionTurn(f"The code printed {problem.answer}, so the answer is $\\boxed{{{problem.answer}}}$.")
+        )
         conversations.append(Conversation(id_, line, problem.question, str(problem.answer), tuple(turns)))
     return conversations
 
@@ -150,20 +183,33 @@ def write_traces(path: Path, count: int, seed: int, mistake_share: float) -> Non
     problems = generate_problems(count, seed=1)  # the training set's problems (see main)
     sandbox = Sandbox(SandboxConfig(timeout_seconds=30.0, cpu_seconds=30))
     try:
-        conversations = solution_traces(problems, [f"train-{i:05d}" for i in range(count)], sandbox, mistake_share, seed)
+        conversations = solution_traces(
+            problems, [f"train-{i:05d}" for i in range(count)], sandbox, mistake_share, seed
+        )
     finally:
         sandbox.close()
-    write_text_atomically(path, "".join(json.dumps(conversation_row(c), ensure_ascii=False) + "\n" for c in conversations))
+    write_text_atomically(
+        path, "".join(json.dumps(conversation_row(c), ensure_ascii=False) + "\n" for c in conversations)
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("data"), help="folder for the data files (default: data)")
     parser.add_argument("--train", type=int, default=512, help="problems in synthetic_train.jsonl")
-    parser.add_argument("--eval", type=int, default=64, help="problems in synthetic_eval.jsonl (held out from training)")
-    parser.add_argument("--traces", type=int, default=0, help="also write worked solutions of the first N training problems "
-                        "to synthetic_sft.jsonl, running their code in the sandbox")
-    parser.add_argument("--mistake-share", type=float, default=0.25, help="share of solutions that correct a wrong first call")
+    parser.add_argument(
+        "--eval", type=int, default=64, help="problems in synthetic_eval.jsonl (held out from training)"
+    )
+    parser.add_argument(
+        "--traces",
+        type=int,
+        default=0,
+        help="also write worked solutions of the first N training problems "
+        "to synthetic_sft.jsonl, running their code in the sandbox",
+    )
+    parser.add_argument(
+        "--mistake-share", type=float, default=0.25, help="share of solutions that correct a wrong first call"
+    )
     args = parser.parse_args()
     write_examples(generate(args.train, seed=1, prefix="train"), args.out / "synthetic_train.jsonl")
     write_examples(generate(args.eval, seed=2, prefix="eval"), args.out / "synthetic_eval.jsonl")

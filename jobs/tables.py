@@ -16,104 +16,121 @@ from jobs.atomic import write_atomically
 TOKENS = pa.list_(pa.int32())
 FLOATS = pa.list_(pa.float32())
 
-PROMPTS = pa.schema([
-    ("step", pa.int32()),
-    ("question_index", pa.int32()),  # position in the step's batch; groups advantages
-    ("example_id", pa.string()),
-    ("question", pa.string()),
-    ("answer", pa.string()),  # reference answer
-    ("data_source", pa.string()),
-    ("prompt_tokens", TOKENS),  # P(1), rendered by the chat template
-])
+PROMPTS = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("question_index", pa.int32()),  # position in the step's batch; groups advantages
+        ("example_id", pa.string()),
+        ("question", pa.string()),
+        ("answer", pa.string()),  # reference answer
+        ("data_source", pa.string()),
+        ("prompt_tokens", TOKENS),  # P(1), rendered by the chat template
+    ]
+)
 
-SAMPLES = pa.schema([
-    ("step", pa.int32()),
-    ("round", pa.int32()),
-    ("question_index", pa.int32()),
-    ("group_index", pa.int32()),  # branch within the question's group
-    ("prompt_tokens", TOKENS),  # P(i): the exact model input
-    ("completion_tokens", TOKENS),  # C(i): the sampler's own tokens
-    ("logprobs", FLOATS),  # sampler logprob of each completion token
-    ("text", pa.string()),  # decoded from completion_tokens, stripped
-    ("finish_reason", pa.string()),  # stop | length
-    ("seed", pa.int64()),
-])
+SAMPLES = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("round", pa.int32()),
+        ("question_index", pa.int32()),
+        ("group_index", pa.int32()),  # branch within the question's group
+        ("prompt_tokens", TOKENS),  # P(i): the exact model input
+        ("completion_tokens", TOKENS),  # C(i): the sampler's own tokens
+        ("logprobs", FLOATS),  # sampler logprob of each completion token
+        ("text", pa.string()),  # decoded from completion_tokens, stripped
+        ("finish_reason", pa.string()),  # stop | length
+        ("seed", pa.int64()),
+    ]
+)
 
-OBSERVATIONS = pa.schema([
-    ("step", pa.int32()),
-    ("round", pa.int32()),
-    ("question_index", pa.int32()),
-    ("group_index", pa.int32()),
-    ("kind", pa.string()),  # tool | answer | invalid; null when the round had no budget to sample
-    ("code", pa.string()),  # the code run, for an executed call
-    ("call_id", pa.string()),
-    ("exec_status", pa.string()),  # ok | error | timeout
-    ("exec_seconds", pa.float32()),
-    ("tool_content", pa.string()),  # the observation as appended ("" when it did not fit)
-    ("next_prompt_tokens", TOKENS),  # P(i+1); null once done
-    ("code_calls", pa.int32()),  # observations appended so far
-    ("turns", pa.int32()),  # assistant turns so far
-    ("done", pa.bool_()),
-    ("stop_reason", pa.string()),  # null while live
-    ("final_text", pa.string()),  # the text the reward reads; null while live
-])
+OBSERVATIONS = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("round", pa.int32()),
+        ("question_index", pa.int32()),
+        ("group_index", pa.int32()),
+        ("kind", pa.string()),  # tool | answer | invalid; null when the round had no budget to sample
+        ("code", pa.string()),  # the code run, for an executed call
+        ("call_id", pa.string()),
+        ("exec_status", pa.string()),  # ok | error | timeout
+        ("exec_seconds", pa.float32()),
+        ("tool_content", pa.string()),  # the observation as appended ("" when it did not fit)
+        ("next_prompt_tokens", TOKENS),  # P(i+1); null once done
+        ("code_calls", pa.int32()),  # observations appended so far
+        ("turns", pa.int32()),  # assistant turns so far
+        ("done", pa.bool_()),
+        ("stop_reason", pa.string()),  # null while live
+        ("final_text", pa.string()),  # the text the reward reads; null while live
+    ]
+)
 
-TRAJECTORIES = pa.schema([
-    ("step", pa.int32()),
-    ("question_index", pa.int32()),
-    ("group_index", pa.int32()),
-    ("example_id", pa.string()),
-    ("data_source", pa.string()),
-    ("answer", pa.string()),
-    ("num_turns", pa.int32()),
-    ("code_calls", pa.int32()),
-    ("stop_reason", pa.string()),
-    ("final_text", pa.string()),
-    ("extracted_answer", pa.string()),  # last \boxed{} content, null if none
-    ("valid_format", pa.bool_()),
-    ("correct", pa.bool_()),
-    ("reward", pa.float32()),
-    ("advantage", pa.float32()),  # reward minus the question group's mean
-    ("trajectory_tokens", pa.int32()),  # length of the whole token sequence
-    ("sampled_tokens", pa.int32()),  # how many of those the model sampled (the actions)
-])
+TRAJECTORIES = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("question_index", pa.int32()),
+        ("group_index", pa.int32()),
+        ("example_id", pa.string()),
+        ("data_source", pa.string()),
+        ("answer", pa.string()),
+        ("num_turns", pa.int32()),
+        ("code_calls", pa.int32()),
+        ("stop_reason", pa.string()),
+        ("final_text", pa.string()),
+        ("extracted_answer", pa.string()),  # last \boxed{} content, null if none
+        ("valid_format", pa.bool_()),
+        ("correct", pa.bool_()),
+        ("reward", pa.float32()),
+        ("advantage", pa.float32()),  # reward minus the question group's mean
+        ("trajectory_tokens", pa.int32()),  # length of the whole token sequence
+        ("sampled_tokens", pa.int32()),  # how many of those the model sampled (the actions)
+    ]
+)
 
-DATUMS = pa.schema([
-    ("step", pa.int32()),
-    ("question_index", pa.int32()),
-    ("group_index", pa.int32()),
-    ("input_tokens", TOKENS),  # the trajectory's tokens but the last: what the model reads
-    ("target_tokens", TOKENS),  # the tokens but the first: what each position predicts
-    ("old_logprobs", FLOATS),  # sampler logprob of each target on sampled tokens, 0 elsewhere
-    ("advantages", FLOATS),  # the trajectory's advantage on sampled targets, 0 elsewhere
-    ("loss_mask", pa.list_(pa.bool_())),  # True on targets the model sampled
-    ("num_tokens", pa.int32()),
-])
+DATUMS = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("question_index", pa.int32()),
+        ("group_index", pa.int32()),
+        ("input_tokens", TOKENS),  # the trajectory's tokens but the last: what the model reads
+        ("target_tokens", TOKENS),  # the tokens but the first: what each position predicts
+        ("old_logprobs", FLOATS),  # sampler logprob of each target on sampled tokens, 0 elsewhere
+        ("advantages", FLOATS),  # the trajectory's advantage on sampled targets, 0 elsewhere
+        ("loss_mask", pa.list_(pa.bool_())),  # True on targets the model sampled
+        ("num_tokens", pa.int32()),
+    ]
+)
 
 
 class TableError(ValueError):
     """A Parquet file in the run folder is damaged or not what the pipeline wrote."""
 
 
-SFT_EXAMPLES = pa.schema([
-    ("example_id", pa.string()),
-    ("line", pa.int32()),  # line of the cold-start data file
-    ("num_turns", pa.int32()),
-    ("code_calls", pa.int32()),
-    ("input_tokens", TOKENS),  # the rendered conversation, less its last token
-    ("target_tokens", TOKENS),  # shifted by one
-    ("loss_mask", pa.list_(pa.bool_())),  # True on targets the assistant emits; tool output and template tokens False
-    ("num_tokens", pa.int32()),
-])
+SFT_EXAMPLES = pa.schema(
+    [
+        ("example_id", pa.string()),
+        ("line", pa.int32()),  # line of the cold-start data file
+        ("num_turns", pa.int32()),
+        ("code_calls", pa.int32()),
+        ("input_tokens", TOKENS),  # the rendered conversation, less its last token
+        ("target_tokens", TOKENS),  # shifted by one
+        (
+            "loss_mask",
+            pa.list_(pa.bool_()),
+        ),  # True on targets the assistant emits; tool output and template tokens False
+        ("num_tokens", pa.int32()),
+    ]
+)
 
-SFT_LOSSES = pa.schema([
-    ("step", pa.int32()),
-    ("loss", pa.float64()),  # mean token NLL of the step's batch, before its update
-    ("examples", pa.int32()),
-    ("loss_tokens", pa.int32()),
-    ("grad_norm", pa.float64()),  # before clipping
-    ("seconds", pa.float64()),
-])
+SFT_LOSSES = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("loss", pa.float64()),  # mean token NLL of the step's batch, before its update
+        ("examples", pa.int32()),
+        ("loss_tokens", pa.int32()),
+        ("grad_norm", pa.float64()),  # before clipping
+        ("seconds", pa.float64()),
+    ]
+)
 
 
 def table_from_rows(rows: Sequence[dict[str, Any]], schema: pa.Schema) -> pa.Table:
@@ -137,6 +154,7 @@ def _timed(function):
             return function(*args, **kwargs)
         finally:
             _parquet_seconds += time.perf_counter() - started
+
     return timed
 
 

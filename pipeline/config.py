@@ -9,7 +9,12 @@ import luigi.cmdline_parser
 
 from jobs.settings import RunSettings
 
-_PARAMETER_TYPES = {bool: luigi.BoolParameter, int: luigi.IntParameter, float: luigi.FloatParameter, str: luigi.Parameter}
+_PARAMETER_TYPES = {
+    bool: luigi.BoolParameter,
+    int: luigi.IntParameter,
+    float: luigi.FloatParameter,
+    str: luigi.Parameter,
+}
 
 retool = type(
     "retool",
@@ -23,7 +28,9 @@ def current_settings() -> RunSettings:
     is slow and tasks ask often, so the result is cached for as long as the [retool] section and
     the command line stay the same."""
     parser = luigi.configuration.get_config()
-    section = tuple(sorted(parser.items("retool", raw=True))) if parser.has_section("retool") else ()  # raw: no interpolation, much faster
+    section = (
+        tuple(sorted(parser.items("retool", raw=True))) if parser.has_section("retool") else ()
+    )  # raw: no interpolation, much faster
     command_line = luigi.cmdline_parser.CmdlineParser.get_instance()
     return _settings(section, id(command_line))
 

@@ -11,10 +11,18 @@ from jobs.evaluation import EVAL_MODES, describe_eval
 from jobs.metrics import record_stage_seconds
 from jobs.report import make_report
 from jobs.runs import EvalSpec, policy_checkpoint, rollout_settings, sft_folder, step_examples, step_folder
-from jobs.runtime import before_after_stage, evaluate_stage, metrics_stage, prepare_run, protocol_for, read_round_files, sandbox_for
+from jobs.runtime import (
+    before_after_stage,
+    evaluate_stage,
+    metrics_stage,
+    prepare_run,
+    protocol_for,
+    read_round_files,
+    sandbox_for,
+)
+from jobs.settings import SettingsError
 from jobs.stages import datums_table, describe, execute_round, prompts_table, replay, sample_round, score_step
 from jobs.tables import PROMPTS, SAMPLES, TRAJECTORIES, parquet_seconds, read_table, write_table_atomically
-from jobs.settings import SettingsError
 from jobs.training import cold_start_stage, describe_metrics, sft_examples_stage, train_stage
 from pipeline.config import current_settings
 
@@ -27,7 +35,9 @@ class RunTask(luigi.Task):
     dataset = luigi.Parameter(default="", description="evaluation data file; empty for training")
     n = luigi.IntParameter(default=0, description="evaluation samples per question")
     mode = luigi.ChoiceParameter(choices=EVAL_MODES, default="retool", description="evaluation mode")
-    sft = luigi.BoolParameter(default=False, description="with --step -1: evaluate the cold-start checkpoint, not the base model")
+    sft = luigi.BoolParameter(
+        default=False, description="with --step -1: evaluate the cold-start checkpoint, not the base model"
+    )
 
     @property
     def run_settings(self):
@@ -36,7 +46,9 @@ class RunTask(luigi.Task):
     @property
     def evaluation(self) -> EvalSpec | None:
         if self.sft and (self.step != -1 or not self.run_settings.cold_start):
-            raise SettingsError("--sft evaluates the cold-start checkpoint: it needs --step -1 and a run with cold_start_data set")
+            raise SettingsError(
+                "--sft evaluates the cold-start checkpoint: it needs --step -1 and a run with cold_start_data set"
+            )
         return EvalSpec(self.dataset, self.n, self.mode, self.sft) if self.dataset else None
 
     @property
@@ -57,7 +69,10 @@ class RunTask(luigi.Task):
         prepare_run(self.run_settings)  # validates the machine and freezes or checks config.json
         protocol_for(self.settings)  # loaded once here, so that task processes forked by --workers K inherit it
         inputs = luigi.task.flatten(self.requires())
-        return super().complete() and all(t.complete() if t.folder == self.folder else all(o.exists() for o in luigi.task.flatten(t.output())) for t in inputs)
+        return super().complete() and all(
+            t.complete() if t.folder == self.folder else all(o.exists() for o in luigi.task.flatten(t.output()))
+            for t in inputs
+        )
 
     def label(self) -> str:
         """The task as users name it: training tasks without the (empty) evaluation parameters."""
@@ -74,7 +89,14 @@ class RunTask(luigi.Task):
         """The shard's trajectories after `rounds` complete rounds, rebuilt from the files."""
         settings = self.settings
         prompts = read_table(self.folder / "prompts.parquet", PROMPTS)
-        return replay(prompts, read_round_files(self.folder, shard, rounds), protocol_for(settings), settings.rollout_config(), shard, settings.shards)
+        return replay(
+            prompts,
+            read_round_files(self.folder, shard, rounds),
+            protocol_for(settings),
+            settings.rollout_config(),
+            shard,
+            settings.shards,
+        )
 
     def policy_task(self) -> list[luigi.Task]:
         """The task that makes the policy this rollout samples from (none for the base model)."""
@@ -98,7 +120,9 @@ def _note_start(task: RunTask) -> None:
 @RunTask.event_handler(luigi.Event.PROCESSING_TIME)
 def _report_stage(task: RunTask, seconds: float) -> None:
     """One line per finished stage: what it wrote, how long it took, and where."""
-    record_stage_seconds(task.folder, task.task_id, task.task_family, seconds, parquet_seconds() - task.parquet_seconds_at_start)
+    record_stage_seconds(
+        task.folder, task.task_id, task.task_family, seconds, parquet_seconds() - task.parquet_seconds_at_start
+    )
     where = luigi.task.flatten(task.output())[0].path
     print(f"{task.label()}: {getattr(task, 'summary', '')}, {seconds:.1f} s -> {where}", flush=True)
 
@@ -127,7 +151,16 @@ class SampleRound(RunTask):
         settings, policy = self.settings, policy_checkpoint(self.run_settings, self.step, self.evaluation)
         trajectories = self.state(self.shard, self.round)
         self.set_status_message(f"sampling for {sum(not t.done for t in trajectories)} live trajectories")
-        self.write(sample_round(trajectories, lambda: get_sampler(settings, policy), protocol_for(settings), settings.rollout_config(), self.step, self.round))
+        self.write(
+            sample_round(
+                trajectories,
+                lambda: get_sampler(settings, policy),
+                protocol_for(settings),
+                settings.rollout_config(),
+                self.step,
+                self.round,
+            )
+        )
 
 
 class ExecuteRound(RunTask):
@@ -145,7 +178,17 @@ class ExecuteRound(RunTask):
         trajectories = self.state(self.shard, self.round)
         samples = read_table(self.input().path, SAMPLES)
         self.set_status_message(f"running the tool calls of {samples.num_rows} turns")
-        self.write(execute_round(trajectories, samples, sandbox_for(settings), protocol_for(settings), settings.rollout_config(), self.step, self.round))
+        self.write(
+            execute_round(
+                trajectories,
+                samples,
+                sandbox_for(settings),
+                protocol_for(settings),
+                settings.rollout_config(),
+                self.step,
+                self.round,
+            )
+        )
 
 
 class ScoreTrajectories(RunTask):
@@ -205,7 +248,10 @@ class SFTExamples(RunTask):
     def run(self):
         table, skipped = sft_examples_stage(self.run_settings, protocol_for(self.run_settings))
         if not table.num_rows:
-            raise SettingsError(f"setting cold_start_data = {self.run_settings.cold_start_data!r}: no conversation fits the run's budgets")
+            raise SettingsError(
+                f"setting cold_start_data = {self.run_settings.cold_start_data!r}: no conversation fits the run's "
+                "budgets"
+            )
         self.write(table)
         self.summary += f" ({skipped} conversations over the budgets or turn limits, left out)" if skipped else ""
 
@@ -232,7 +278,8 @@ class ColdStart(RunTask):
         self.summary = describe_cold_start(losses)
 
     def report_progress(self, row: dict) -> None:
-        line = f"cold start step {row['step'] + 1}/{self.run_settings.sft_steps}: loss {row['loss']:.3f}, {row['seconds']:.1f} s"
+        steps = self.run_settings.sft_steps
+        line = f"cold start step {row['step'] + 1}/{steps}: loss {row['loss']:.3f}, {row['seconds']:.1f} s"
         self.set_status_message(line)
         print(line, flush=True)
 
@@ -251,7 +298,9 @@ class Evaluate(RunTask):
         return self.target("summary.parquet")
 
     def run(self):
-        summary = evaluate_stage(read_table(self.input().path, TRAJECTORIES), self.evaluation, self.step, self.output().path)
+        summary = evaluate_stage(
+            read_table(self.input().path, TRAJECTORIES), self.evaluation, self.step, self.output().path
+        )
         self.summary = f"{self.mode} on {self.dataset}: {describe_eval(summary)}"
 
 
@@ -279,8 +328,15 @@ class BeforeAfter(RunTask):
     n = luigi.IntParameter(default=4)
 
     def evaluations(self) -> list[tuple[str, Evaluate]]:
-        policies = [("base", -1, False)] + ([("SFT", -1, True)] if self.run_settings.cold_start else []) + [(f"RL step {self.step}", self.step, False)]
-        return [(label, Evaluate(step=step, sft=sft, dataset=self.dataset, n=self.n, mode=self.mode)) for label, step, sft in policies]
+        policies = (
+            [("base", -1, False)]
+            + ([("SFT", -1, True)] if self.run_settings.cold_start else [])
+            + [(f"RL step {self.step}", self.step, False)]
+        )
+        return [
+            (label, Evaluate(step=step, sft=sft, dataset=self.dataset, n=self.n, mode=self.mode))
+            for label, step, sft in policies
+        ]
 
     def requires(self):
         return [task for _, task in self.evaluations()]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import luigi
 import pytest
 
 from jobs.models import DEFAULT_MODEL_DIR, build_default_model, build_tiny_model
@@ -37,3 +38,55 @@ def protocol(request, tokenizer) -> ChatProtocol:
 @pytest.fixture(scope="session")
 def hermes(tokenizer) -> ChatProtocol:
     return ChatProtocol(tokenizer, tool_format="hermes", chat_template=BUNDLED_TEMPLATE)
+
+
+REPO = Path(__file__).resolve().parent.parent
+# The [retool] settings of pipeline tests: the tiny model, small budgets, the transformers sampler.
+BASE = {
+    "device": "cpu",
+    "sampler": "hf",
+    "chat_template": str(BUNDLED_TEMPLATE),
+    "train_data": str(REPO / "data/synthetic_eval.jsonl"),
+    "questions_per_step": 3,
+    "group_size": 3,
+    "max_code_calls": 2,
+    "max_assistant_turns": 3,
+    "max_trajectory_tokens": 900,
+    "max_assistant_tokens": 96,
+    "max_tool_response_tokens": 48,
+    "trainer_max_tokens": 1024,
+    "sandbox_workers": 2,
+    "sandbox_timeout_seconds": 5.0,
+    "max_sampler_gap": 0.0,  # scripted policies make their logprobs up
+}
+
+
+@pytest.fixture
+def configure(tmp_path, tiny_model_dir):
+    """Sets the [retool] section for one test (restored afterwards); returns the settings."""
+    config = luigi.configuration.get_config()
+    saved = dict(config.items("retool")) if config.has_section("retool") else {}
+    saved_delay = config.get("scheduler", "retry_delay", "30")
+    config.set("scheduler", "retry_delay", "1")  # failing tests retry quickly
+
+    def apply(**overrides):
+        if config.has_section("retool"):
+            config.remove_section("retool")
+        config.add_section("retool")
+        for key, value in {
+            **BASE,
+            "runs_dir": str(tmp_path / "runs"),
+            "model": str(tiny_model_dir),
+            **overrides,
+        }.items():
+            config.set("retool", key, str(value))
+        from pipeline.config import current_settings
+
+        return current_settings()
+
+    yield apply
+    config.set("scheduler", "retry_delay", saved_delay)
+    config.remove_section("retool")
+    config.add_section("retool")
+    for key, value in saved.items():
+        config.set("retool", key, value)

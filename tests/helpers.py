@@ -13,7 +13,9 @@ def tool_call_text(code: str, tool_format: str, preamble: str = "Let me compute 
     return protocol_tool_call_text(code, tool_format, preamble)
 
 
-def completion(protocol: ChatProtocol, text: str, close: bool = True, logprob: float = -0.25) -> tuple[list[int], list[float]]:
+def completion(
+    protocol: ChatProtocol, text: str, close: bool = True, logprob: float = -0.25
+) -> tuple[list[int], list[float]]:
     """Tokens of `text` (plus the end-of-turn token when `close`), with a constant logprob."""
     tokens = protocol.encode(text) + ([protocol.stop_token_ids[0]] if close else [])
     return tokens, [logprob] * len(tokens)
@@ -57,7 +59,9 @@ def scripted(protocol: ChatProtocol, choose, close: bool = True):
     takes_step = choose.__code__.co_argcount == 4
 
     def script(request, index):
-        where = (request.question_index, request.group_indices[index], turn_of(request)) + ((step_of(request),) if takes_step else ())
+        where = (request.question_index, request.group_indices[index], turn_of(request)) + (
+            (step_of(request),) if takes_step else ()
+        )
         return completion(protocol, choose(*where), close=close)
 
     return script

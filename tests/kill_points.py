@@ -38,7 +38,9 @@ def on_audit_event(event: str, args: tuple) -> None:
     elif event == "open" and isinstance(args[0], (str, os.PathLike)):
         path = Path(os.fsdecode(args[0]))
         for folder in ("checkpoint", "progress"):
-            if path.parent.name.startswith(f".{folder}.tmp-") and path.name == "metrics.json":  # after weights and optimizer
+            if (
+                path.parent.name.startswith(f".{folder}.tmp-") and path.name == "metrics.json"
+            ):  # after weights and optimizer
                 kill_once(f"writing {path.parent.parent / folder}")
 
 

@@ -14,7 +14,7 @@ def branching_tools(settings):
 
     def choose(question, group, turn, step):
         if turn < (question + group) % 3:
-            return tool_call_text(f"print({question} * 10 + {turn})", protocol.tool_format)
+            return tool_call_text(f"print({question} * 10 + {turn})\n{question} ** {turn + 2}", protocol.tool_format)
         answer = step_examples(settings, step, None)[question].answer if step >= 0 else "?"
         return f"So the result is \\boxed{{{answer if group % 2 == 0 else -1}}}."
 

@@ -9,10 +9,10 @@ import pytest
 import jobs.sandbox
 from jobs.sandbox import Sandbox
 from jobs.tables import SAMPLES, TableError, read_table
-from tests.test_pipeline import build, configure, step_dir, tool_policy  # noqa: F401  (fixture)
+from tests.pipeline_helpers import TRAIN, build, build_train, step_dir, tool_policy
 
 
-def test_truncated_parquet_in_the_run_folder_names_the_file(configure, monkeypatch, caplog):  # noqa: F811
+def test_truncated_parquet_in_the_run_folder_names_the_file(configure, monkeypatch, caplog):
     settings = configure(run="truncated")
     assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
     samples = step_dir(settings, 0) / "shard=00/round=01/samples.parquet"
@@ -45,19 +45,21 @@ def test_a_sandbox_failure_affects_only_its_call(monkeypatch):
     monkeypatch.setattr(jobs.sandbox.tempfile, "mkdtemp", flaky_mkdtemp)
     results = [sandbox.run_code(f"print({i})") for i in range(3)]
     assert [r.status for r in results] == ["ok", "error", "ok"]
-    assert "SandboxError: the sandbox could not run this code (OSError: no more processes)" in sandbox.observation(results[1])
+    assert "SandboxError: the sandbox could not run this code (OSError: no more processes)" in sandbox.observation(
+        results[1]
+    )
 
 
-def test_checkpoint_without_success_marker_is_trained_again(configure, monkeypatch):  # noqa: F811
-    from tests.test_pipeline import TRAIN, build_train
-
+def test_checkpoint_without_success_marker_is_trained_again(configure, monkeypatch):
     settings = configure(run="marker", **TRAIN)
     assert build_train(settings, 0, tool_policy(settings), monkeypatch)
     checkpoint = step_dir(settings, 0) / "checkpoint"
     weights = (checkpoint / "adapter/adapter_model.safetensors").read_bytes()
     (checkpoint / "_SUCCESS").unlink()  # as if the writer died before finishing
     assert build_train(settings, 0, tool_policy(settings), monkeypatch)
-    assert (checkpoint / "_SUCCESS").exists() and (checkpoint / "adapter/adapter_model.safetensors").read_bytes() == weights
+    assert (checkpoint / "_SUCCESS").exists() and (
+        checkpoint / "adapter/adapter_model.safetensors"
+    ).read_bytes() == weights
 
 
 def test_a_training_group_of_one_is_refused_but_an_evaluation_with_n_1_runs():
@@ -83,3 +85,16 @@ def test_an_evaluation_set_larger_than_the_seed_layout_names_the_file(tmp_path):
     big.write_text("".join(json.dumps({"id": str(i), "question": "q", "answer": "1"}) + "\n" for i in range(4097)))
     with pytest.raises(SettingsError, match=f"evaluation dataset {big}: 4097 questions, over the 4096"):
         rollout_settings(RunSettings(), EvalSpec(str(big), 2, "retool"))
+
+
+def test_chat_template_arguments_must_be_a_json_object():
+    from jobs.settings import RunSettings, SettingsError
+
+    assert RunSettings(chat_template_kwargs='{"reasoning_effort": "low"}').template_kwargs() == {
+        "enable_thinking": False,
+        "reasoning_effort": "low",
+    }
+    with pytest.raises(SettingsError, match="chat_template_kwargs is not valid JSON"):
+        RunSettings(chat_template_kwargs="{enable_thinking: true")
+    with pytest.raises(SettingsError, match="must be a JSON object"):
+        RunSettings(chat_template_kwargs="[1]")

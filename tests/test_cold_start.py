@@ -30,8 +30,15 @@ from jobs.trainer import TrainerConfig
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "data/synthetic_sft.jsonl"
-CONFIG = RolloutConfig(group_size=1, max_code_calls=2, max_assistant_turns=3, max_trajectory_tokens=1024, max_assistant_tokens=200,
-                       max_tool_response_tokens=128, trainer_max_tokens=1024)
+CONFIG = RolloutConfig(
+    group_size=1,
+    max_code_calls=2,
+    max_assistant_turns=3,
+    max_trajectory_tokens=1024,
+    max_assistant_tokens=200,
+    max_tool_response_tokens=128,
+    trainer_max_tokens=1024,
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +54,9 @@ def test_the_shipped_solutions_read_and_correct_a_share_of_mistakes():
     assert len(found) == 160 and all(c.turns[-1].code is None and "\\boxed{" in c.turns[-1].text for c in found)
     corrected = [c for c in found if len(c.turns) == 3]
     assert 0.1 < len(corrected) / len(found) < 0.5
-    assert any("Error" in c.turns[0].output for c in corrected) and any("Error" not in c.turns[0].output for c in corrected)
+    assert any("Error" in c.turns[0].output for c in corrected) and any(
+        "Error" not in c.turns[0].output for c in corrected
+    )
 
 
 def test_an_sft_sequence_is_what_a_rollout_with_the_same_turns_produces(conversations, protocol):
@@ -55,9 +64,12 @@ def test_an_sft_sequence_is_what_a_rollout_with_the_same_turns_produces(conversa
     sandbox = Sandbox(SandboxConfig(timeout_seconds=20, cpu_seconds=20))
     try:
         for conversation in conversations:
+
             def script(request, index, turns=conversation.turns):
                 turn = turns[request.seed & 63]
-                tokens = protocol.encode(assistant_text(turn, protocol.tool_format)) + ([protocol.end_of_turn_token] if turn.code is None else [])
+                tokens = protocol.encode(assistant_text(turn, protocol.tool_format)) + (
+                    [protocol.end_of_turn_token] if turn.code is None else []
+                )
                 return tokens, [0.0] * len(tokens)
 
             example = replay_conversation(conversation, protocol, CONFIG).example
@@ -76,7 +88,10 @@ def test_the_loss_mask_covers_exactly_the_assistants_tokens(conversations, proto
     for conversation, row in zip(conversations, table.to_pylist(), strict=True):
         trajectory = replay_conversation(conversation, protocol, CONFIG)
         for earlier, later in zip(trajectory.turns, trajectory.turns[1:]):  # every prompt extends the turn before it
-            assert later.prompt_tokens[: len(earlier.prompt_tokens) + len(earlier.completion_tokens)] == earlier.prompt_tokens + earlier.completion_tokens
+            assert (
+                later.prompt_tokens[: len(earlier.prompt_tokens) + len(earlier.completion_tokens)]
+                == earlier.prompt_tokens + earlier.completion_tokens
+            )
         emitted = [token for token, masked in zip(row["target_tokens"], row["loss_mask"]) if masked]
         expected = [token for turn in trajectory.turns for token in turn.completion_tokens]
         assert emitted == expected
@@ -84,7 +99,10 @@ def test_the_loss_mask_covers_exactly_the_assistants_tokens(conversations, proto
         assert protocol.decode(emitted) == "".join(texts)
         context = [token for token, masked in zip(row["target_tokens"], row["loss_mask"]) if not masked]
         with_specials = protocol.tokenizer.decode(context, skip_special_tokens=False)
-        assert all(turn.output in with_specials for turn in conversation.turns[:-1]) and conversation.question in with_specials
+        assert (
+            all(turn.output in with_specials for turn in conversation.turns[:-1])
+            and conversation.question in with_specials
+        )
         assert with_specials.count("<|im_start|>assistant") == len(conversation.turns)  # the wrappers are context
         assert "<|im_start|>" not in protocol.tokenizer.decode(emitted, skip_special_tokens=False)
         assert emitted[-1] == protocol.end_of_turn_token
@@ -96,14 +114,37 @@ def test_conversations_over_the_budgets_are_left_out_and_counted(conversations, 
 
 
 MALFORMED = {
-    "a tool message without a tool call before it": [{"role": "user", "content": "q"}, {"role": "tool", "content": "1"}],
-    "unknown tool 'python'": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "python", "arguments": "{\"code\": \"1\"}"}}]}],
+    "a tool message without a tool call before it": [
+        {"role": "user", "content": "q"},
+        {"role": "tool", "content": "1"},
+    ],
+    "unknown tool 'python'": [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "python", "arguments": '{"code": "1"}'}}],
+        },
+    ],
     "field 'content' is missing": [{"role": "user"}, {"role": "assistant", "content": "\\boxed{1}"}],
-    "arguments are not valid JSON": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "code_interpreter", "arguments": "{code: 1"}}]}],
-    "not answered by a tool message": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": "print(1)"}}}]}],
+    "arguments are not valid JSON": [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "code_interpreter", "arguments": "{code: 1"}}],
+        },
+    ],
+    "not answered by a tool message": [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "code_interpreter", "arguments": {"code": "print(1)"}}}
+            ],
+        },
+    ],
     "must end with an assistant answer": [{"role": "user", "content": "q"}],
     "no \\'answer\\' field and no": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "it is 4"}],
 }
@@ -133,21 +174,40 @@ def tiny_datums(tiny_model_dir, tokenizer):
     return sft_datums(table)
 
 
-TRAINER = TrainerConfig(objective="sft", lora_rank=0, learning_rate=1e-3, loss_aggregation="token_mean", micro_batch_items=2)
+TRAINER = TrainerConfig(
+    objective="sft", lora_rank=0, learning_rate=1e-3, loss_aggregation="token_mean", micro_batch_items=2
+)
 
 
 def test_sft_steps_lower_the_loss_and_publish_full_weights(tiny_model_dir, tiny_datums, tmp_path):
-    losses = train_cold_start(tiny_model_dir, tiny_datums, TRAINER, ColdStartConfig(steps=6, batch_size=6, save_every=2),
-                              tmp_path / "checkpoint", tmp_path / "progress")
+    losses = train_cold_start(
+        tiny_model_dir,
+        tiny_datums,
+        TRAINER,
+        ColdStartConfig(steps=6, batch_size=6, save_every=2),
+        tmp_path / "checkpoint",
+        tmp_path / "progress",
+    )
     assert [row["step"] for row in losses] == list(range(6)) and losses[-1]["loss"] < losses[0]["loss"] - 0.5
-    assert (tmp_path / "checkpoint" / "_SUCCESS").exists() and (tmp_path / "checkpoint" / "model" / "config.json").exists()
+    assert (tmp_path / "checkpoint" / "_SUCCESS").exists() and (
+        tmp_path / "checkpoint" / "model" / "config.json"
+    ).exists()
     assert not (tmp_path / "progress").exists()
 
 
 def test_a_lora_cold_start_is_merged_into_full_weights(tiny_model_dir, tiny_datums, tmp_path):
-    train_cold_start(tiny_model_dir, tiny_datums, replace(TRAINER, lora_rank=4, lora_alpha=8), ColdStartConfig(steps=1, batch_size=2),
-                     tmp_path / "checkpoint", tmp_path / "progress")
-    merged, base = load_file(tmp_path / "checkpoint/model/model.safetensors"), load_file(tiny_model_dir / "model.safetensors")
+    train_cold_start(
+        tiny_model_dir,
+        tiny_datums,
+        replace(TRAINER, lora_rank=4, lora_alpha=8),
+        ColdStartConfig(steps=1, batch_size=2),
+        tmp_path / "checkpoint",
+        tmp_path / "progress",
+    )
+    merged, base = (
+        load_file(tmp_path / "checkpoint/model/model.safetensors"),
+        load_file(tiny_model_dir / "model.safetensors"),
+    )
     assert merged.keys() == base.keys() and any(not torch.equal(merged[k], base[k]) for k in base)
 
 
@@ -160,9 +220,20 @@ def test_a_stopped_cold_start_resumes_to_the_same_weights(tiny_model_dir, tiny_d
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train_cold_start(tiny_model_dir, tiny_datums, TRAINER, config, tmp_path / "resumed", tmp_path / "progress", on_step=stop_after_step_two)
+        train_cold_start(
+            tiny_model_dir,
+            tiny_datums,
+            TRAINER,
+            config,
+            tmp_path / "resumed",
+            tmp_path / "progress",
+            on_step=stop_after_step_two,
+        )
     assert json.loads((tmp_path / "progress" / "losses.json").read_text())[-1]["step"] == 1
     losses = train_cold_start(tiny_model_dir, tiny_datums, TRAINER, config, tmp_path / "resumed", tmp_path / "progress")
     assert [row["step"] for row in losses] == [0, 1, 2, 3]
-    whole, resumed = load_file(tmp_path / "whole/model/model.safetensors"), load_file(tmp_path / "resumed/model/model.safetensors")
+    whole, resumed = (
+        load_file(tmp_path / "whole/model/model.safetensors"),
+        load_file(tmp_path / "resumed/model/model.safetensors"),
+    )
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)

@@ -21,12 +21,14 @@ def test_jsonl_round_trip(tmp_path):
 
 
 def test_dapo_layout_from_parquet(tmp_path):
-    rows = [{
-        "data_source": "math_dapo",
-        "prompt": [{"role": "user", "content": DAPO_CONTENT}],
-        "reward_model": {"ground_truth": "2", "style": "rule-lighteval/MATH_v2"},
-        "extra_info": {"index": "abc-1"},
-    }]
+    rows = [
+        {
+            "data_source": "math_dapo",
+            "prompt": [{"role": "user", "content": DAPO_CONTENT}],
+            "reward_model": {"ground_truth": "2", "style": "rule-lighteval/MATH_v2"},
+            "extra_info": {"index": "abc-1"},
+        }
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "dapo.parquet")
     (example,) = read_examples(tmp_path / "dapo.parquet")
     assert example == MathExample("abc-1", "What is $1+1$?", "2", "math_dapo")

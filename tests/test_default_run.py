@@ -23,10 +23,30 @@ if not os.environ.get("RETOOL_REQUIRE_VLLM"):
 def test_the_default_run_cold_starts_updates_every_step_and_compares(tmp_path, default_model_dir):
     heldout = tmp_path / "heldout.jsonl"
     heldout.write_text("".join((REPO / "data/synthetic_eval.jsonl").read_text().splitlines(keepends=True)[:8]))
-    command = [sys.executable, "-m", "luigi", "--module", "pipeline", "BeforeAfter", "--step", "1", "--n", "2", "--dataset", str(heldout),
-               "--retool-runs-dir", str(tmp_path / "runs")]
-    result = subprocess.run(command, cwd=REPO, env={**os.environ, "LUIGI_CONFIG_PATH": "configs/cpu.cfg"}, capture_output=True, text=True,
-                            timeout=1800)
+    command = [
+        sys.executable,
+        "-m",
+        "luigi",
+        "--module",
+        "pipeline",
+        "BeforeAfter",
+        "--step",
+        "1",
+        "--n",
+        "2",
+        "--dataset",
+        str(heldout),
+        "--retool-runs-dir",
+        str(tmp_path / "runs"),
+    ]
+    result = subprocess.run(
+        command,
+        cwd=REPO,
+        env={**os.environ, "LUIGI_CONFIG_PATH": "configs/cpu.cfg"},
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run = tmp_path / "runs" / "cpu-default"
 

@@ -12,7 +12,6 @@ from jobs.runtime import protocol_for
 from jobs.sampling import ScriptedSampler
 from jobs.tables import TRAJECTORIES, table_from_rows
 from tests.helpers import scripted, tool_call_text
-from tests.test_pipeline import configure  # noqa: F401  (fixture)
 
 
 def test_pass_at_k_matches_hand_computed_values():
@@ -36,10 +35,27 @@ def rows(correct_by_question):
     out = []
     for q, flags in enumerate(correct_by_question):
         for g, ok in enumerate(flags):
-            out.append({"step": 0, "question_index": q, "group_index": g, "example_id": str(q), "data_source": "t", "answer": "1",
-                        "num_turns": 2 if ok else 1, "code_calls": 1 if ok else 0, "stop_reason": "answer", "final_text": "",
-                        "extracted_answer": "1" if ok else None, "valid_format": ok or g == 0, "correct": ok, "reward": 1.0 if ok else -1.0,
-                        "advantage": 0.0, "trajectory_tokens": 10, "sampled_tokens": 5})
+            out.append(
+                {
+                    "step": 0,
+                    "question_index": q,
+                    "group_index": g,
+                    "example_id": str(q),
+                    "data_source": "t",
+                    "answer": "1",
+                    "num_turns": 2 if ok else 1,
+                    "code_calls": 1 if ok else 0,
+                    "stop_reason": "answer",
+                    "final_text": "",
+                    "extracted_answer": "1" if ok else None,
+                    "valid_format": ok or g == 0,
+                    "correct": ok,
+                    "reward": 1.0 if ok else -1.0,
+                    "advantage": 0.0,
+                    "trajectory_tokens": 10,
+                    "sampled_tokens": 5,
+                }
+            )
     return table_from_rows(out, TRAJECTORIES)
 
 
@@ -57,7 +73,7 @@ def test_summary_counts_by_hand():
 
 
 @pytest.mark.parametrize("mode", ["retool", "text-only"])
-def test_evaluate_on_the_tiny_model(configure, monkeypatch, tmp_path, mode):  # noqa: F811
+def test_evaluate_on_the_tiny_model(configure, monkeypatch, tmp_path, mode):
     from jobs.data import MathExample, write_examples
 
     dataset = tmp_path / "aime_like.jsonl"
@@ -70,7 +86,9 @@ def test_evaluate_on_the_tiny_model(configure, monkeypatch, tmp_path, mode):  # 
             return tool_call_text("print(1 + 1)", protocol.tool_format)
         return f"\\boxed{{{2 * question if group < 2 else -1}}}"
 
-    monkeypatch.setattr(pipeline.tasks, "get_sampler", lambda s, policy=None: ScriptedSampler(scripted(protocol_for(s), choose)))
+    monkeypatch.setattr(
+        pipeline.tasks, "get_sampler", lambda s, policy=None: ScriptedSampler(scripted(protocol_for(s), choose))
+    )
     task = pipeline.tasks.Evaluate(step=-1, dataset=str(dataset), n=3, mode=mode)
     assert luigi.build([task], local_scheduler=True, workers=1, log_level="WARNING")
     summary = pa.parquet.read_table(task.output().path).to_pylist()[0]

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from safetensors.torch import load_file
 
-from jobs.protocol import BUNDLED_TEMPLATE
+from tests.conftest import BASE
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
@@ -22,12 +22,21 @@ COMMAND = ["--module", "pipeline", "TrainStep", "--step", "1"]
 
 def write_config(path: Path, runs: Path, model: Path, run: str) -> Path:
     settings = {
-        "run": run, "runs_dir": runs, "model": model, "device": "cpu", "sampler": "scripted:tests.policies:branching_tools",
-        "chat_template": BUNDLED_TEMPLATE, "train_data": REPO / "data/synthetic_eval.jsonl", "questions_per_step": 3,
-        "group_size": 3, "max_code_calls": 2, "max_assistant_turns": 3, "max_trajectory_tokens": 900, "max_assistant_tokens": 96,
-        "max_tool_response_tokens": 48, "trainer_max_tokens": 1024, "lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3,
-        "micro_batch_items": 2, "sandbox_workers": 2, "cold_start_data": REPO / "data/synthetic_sft.jsonl", "sft_steps": 2,
-        "sft_batch_size": 2, "sft_save_every": 1, "sft_lora_rank": 4,
+        **BASE,
+        "run": run,
+        "runs_dir": runs,
+        "model": model,
+        "sampler": "scripted:tests.policies:branching_tools",
+        "lora_rank": 4,
+        "lora_alpha": 8,
+        "learning_rate": 1e-3,
+        "micro_batch_items": 2,
+        "sandbox_workers": 2,
+        "cold_start_data": REPO / "data/synthetic_sft.jsonl",
+        "sft_steps": 2,
+        "sft_batch_size": 2,
+        "sft_save_every": 1,
+        "sft_lora_rank": 4,
     }
     path.write_text("[retool]\n" + "".join(f"{key} = {value}\n" for key, value in settings.items()))
     return path
@@ -35,7 +44,11 @@ def write_config(path: Path, runs: Path, model: Path, run: str) -> Path:
 
 def run(config: Path, *launcher: str, **environment: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", *launcher, *COMMAND], cwd=REPO, capture_output=True, text=True, timeout=600,
+        [sys.executable, "-m", *launcher, *COMMAND],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
         env={**os.environ, "LUIGI_CONFIG_PATH": str(config), "PYTHONDONTWRITEBYTECODE": "1", **environment},
     )
 
@@ -47,7 +60,9 @@ def outputs(run_folder: Path) -> dict[str, object]:
         if path.name == "metrics.parquet" or path.name.startswith("."):
             continue
         table = pq.read_table(path)
-        found[str(path.relative_to(run_folder))] = table.drop_columns([c for c in ("exec_seconds", "seconds") if c in table.column_names])
+        found[str(path.relative_to(run_folder))] = table.drop_columns(
+            [c for c in ("exec_seconds", "seconds") if c in table.column_names]
+        )
     for path in sorted([*run_folder.rglob("adapter_model.safetensors"), *run_folder.rglob("model.safetensors")]):
         found[str(path.relative_to(run_folder))] = load_file(path)
     return found
@@ -79,11 +94,14 @@ def belongs_to_this_test_process(pid: int) -> bool:
 
 def assert_no_process_left(killed: int) -> None:
     """The killed run's sandbox processes end with it (those of this test process may stay)."""
+
     def orphans() -> list[int]:
         found = []
         for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
             try:
-                if b"sandbox_forkserver" in cmdline.read_bytes() and not belongs_to_this_test_process(int(cmdline.parent.name)):
+                if b"sandbox_forkserver" in cmdline.read_bytes() and not belongs_to_this_test_process(
+                    int(cmdline.parent.name)
+                ):
                     found.append(int(cmdline.parent.name))
             except OSError:
                 continue
@@ -100,7 +118,10 @@ def test_a_run_killed_at_every_stage_finishes_with_the_rows_of_an_uninterrupted_
     reference = run(write_config(tmp_path / "reference.cfg", runs, tiny_model_dir, "reference"), "luigi")
     assert reference.returncode == 0, reference.stderr[-3000:]
 
-    config, kill_points = write_config(tmp_path / "faulty.cfg", runs, tiny_model_dir, "faulty"), tmp_path / "kill-points.txt"
+    config, kill_points = (
+        write_config(tmp_path / "faulty.cfg", runs, tiny_model_dir, "faulty"),
+        tmp_path / "kill-points.txt",
+    )
     for attempt in range(60):
         done = run(config, "tests.kill_points", KILL_POINTS=str(kill_points), KILL_RUN=str(runs / "faulty"))
         if done.returncode == 0:
@@ -115,14 +136,25 @@ def test_a_run_killed_at_every_stage_finishes_with_the_rows_of_an_uninterrupted_
     for step in ("step=0000", "step=0001"):
         stage_points = [p for p in points if f"/{step}/" in p or p.endswith(f"/{step}/checkpoint")]
         for name in ("prompts", "samples", "observations", "trajectories", "datums", "metrics"):
-            assert any(p.startswith("publishing") and p.endswith(f"{name}.parquet") for p in stage_points), (step, name, points)
+            assert any(p.startswith("publishing") and p.endswith(f"{name}.parquet") for p in stage_points), (
+                step,
+                name,
+                points,
+            )
         for kind in ("publishing", "writing"):
             assert f"{kind} {runs / 'faulty' / step / 'checkpoint'}" in points, (step, kind, points)
     assert [p for p in points if p.startswith("training")] == ["training step 0", "training step 1"]
     sft = runs / "faulty" / "sft"
-    for point in ("cold start started", "cold start past its resume point", f"publishing {sft / 'examples.parquet'}", f"publishing {sft / 'progress'}",
-                  f"writing {sft / 'progress'}", f"writing {sft / 'checkpoint'}", f"publishing {sft / 'checkpoint'}",
-                  f"publishing {sft / 'losses.parquet'}"):
+    for point in (
+        "cold start started",
+        "cold start past its resume point",
+        f"publishing {sft / 'examples.parquet'}",
+        f"publishing {sft / 'progress'}",
+        f"writing {sft / 'progress'}",
+        f"writing {sft / 'checkpoint'}",
+        f"publishing {sft / 'checkpoint'}",
+        f"publishing {sft / 'losses.parquet'}",
+    ):
         assert point in points, (point, points)
 
     expected, actual = outputs(runs / "reference"), outputs(runs / "faulty")

@@ -12,7 +12,11 @@ def sampler(tiny_model_dir):
 
 def requests_for(sampler):
     prompt_a = tuple(sampler.tokenizer("<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
-    prompt_b = tuple(sampler.tokenizer("<|im_start|>user\nA longer prompt, so rows need padding<|im_end|>\n<|im_start|>assistant\n")["input_ids"])
+    prompt_b = tuple(
+        sampler.tokenizer("<|im_start|>user\nA longer prompt, so rows need padding<|im_end|>\n<|im_start|>assistant\n")[
+            "input_ids"
+        ]
+    )
     return [SampleRequest(0, (0, 1, 2), prompt_a, 12, seed=7), SampleRequest(1, (3,), prompt_b, 5, seed=8)]
 
 

@@ -42,7 +42,8 @@ def guard():
 def run_guarded(guard, code: str, **config) -> ExecutionResult:
     helper = (
         "import json, sys\nfrom dataclasses import asdict\nfrom jobs.sandbox import Sandbox, SandboxConfig\n"
-        f"sandbox = Sandbox(SandboxConfig(**{config!r}))\nresult = sandbox.run_code(sys.stdin.read())\nsandbox.close()\n"
+        f"sandbox = Sandbox(SandboxConfig(**{config!r}))\nresult = "
+        "sandbox.run_code(sys.stdin.read())\nsandbox.close()\n"
         "print(json.dumps(asdict(result)))"
     )
     command = [sys.executable, "-c", helper]
@@ -62,7 +63,12 @@ def observed(result: ExecutionResult, tokenizer) -> str:
     """The observation exactly as the rollout appends it (see jobs.rollout.apply_results)."""
     from jobs.protocol import special_token_strings
 
-    forbidden = tuple(special_token_strings(tokenizer)) + ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+    forbidden = tuple(special_token_strings(tokenizer)) + (
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_response>",
+        "</tool_response>",
+    )
     return neutralise(Sandbox().observation(result), forbidden)
 
 
@@ -110,7 +116,11 @@ def test_socket_to_loopback(guard):
 @pytest.mark.skipif(not CONTAINED, reason="no mount namespace on this machine (see README, Safety)")
 def test_writing_outside_its_directory(guard, tmp_path):
     targets = [REPO / "pwned.txt", tmp_path / "pwned.txt", Path("/tmp/pwned-retool.txt")]
-    code = "import sys\nfor path in sys.argv[1:] or %r:\n    try:\n        open(path, 'w').write('x')\n        print('wrote', path)\n    except OSError as error:\n        print('refused', path, error.strerror)" % [str(t) for t in targets]
+    code = (
+        "import sys\nfor path in sys.argv[1:] or %r:\n    try:\n        open(path, 'w').write('x')\n        "
+        "print('wrote', path)\n    except OSError as error:\n        print('refused', path, error.strerror)"
+        % [str(t) for t in targets]
+    )
     result = run_guarded(guard, code)
     assert result.stdout.count("refused") == 3 and "wrote" not in result.stdout
     assert not any(target.exists() for target in targets)
@@ -119,19 +129,29 @@ def test_writing_outside_its_directory(guard, tmp_path):
 @pytest.mark.skipif(not CONTAINED, reason="no PID namespace on this machine (see README, Safety)")
 def test_parent_environment_and_processes_are_out_of_reach(guard, monkeypatch):
     monkeypatch.setenv("RETOOL_SECRET", "hunter2")
-    code = "import os\nprint(sorted(os.listdir('/proc'))[:3])\nprint('RETOOL_SECRET' in open('/proc/1/environ').read(), 'RETOOL_SECRET' in os.environ)"
+    code = (
+        "import os\nprint(sorted(os.listdir('/proc'))[:3])\n"
+        "print('RETOOL_SECRET' in open('/proc/1/environ').read(), 'RETOOL_SECRET' in os.environ)"
+    )
     result = run_guarded(guard, code)
     assert "hunter2" not in result.stdout and result.stdout.splitlines()[-1] == "False False"
 
 
 @pytest.mark.skipif(not CONTAINED, reason="no PID namespace on this machine (see README, Safety)")
 def test_killing_its_parent_or_group(guard):
-    result = run_guarded(guard, "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.killpg(0, signal.SIGKILL)")
+    result = run_guarded(
+        guard, "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.killpg(0, signal.SIGKILL)"
+    )
     assert result.status == "error" and "SIGKILL" in result.stderr  # only the code itself died
 
 
 def test_child_sleeping_past_the_timeout(guard):
-    result = run_guarded(guard, "import subprocess\nsubprocess.Popen(['sleep', '30'])\nsubprocess.Popen(['setsid', 'sleep', '30'])\nprint('spawned')", timeout_seconds=3)
+    result = run_guarded(
+        guard,
+        "import subprocess\nsubprocess.Popen(['sleep', '30'])\nsubprocess.Popen(['setsid', 'sleep', "
+        "'30'])\nprint('spawned')",
+        timeout_seconds=3,
+    )
     assert result.status == "ok" and result.stdout == "spawned\n"  # the guard asserts nothing is left
 
 
@@ -155,7 +175,10 @@ def test_a_killed_pipeline_leaves_no_call_running(guard, prewarmed):
     the machine removes its working directory and cgroup."""
     if guard is None:
         pytest.skip("no writable pids cgroup")
-    helper = f"from jobs.sandbox import Sandbox, SandboxConfig\nSandbox(SandboxConfig(prewarmed={prewarmed})).run_code('import time\\ntime.sleep(60)')"
+    helper = (
+        "from jobs.sandbox import Sandbox, SandboxConfig\n"
+        f"Sandbox(SandboxConfig(prewarmed={prewarmed})).run_code('import time\\ntime.sleep(60)')"
+    )
     command = ["sh", "-c", f'echo $$ > {guard}/cgroup.procs && exec "$@"', "guard", sys.executable, "-c", helper]
     calls = guard / "calls"
     pipeline = subprocess.Popen(command, cwd=REPO, env={**os.environ, "RETOOL_SANDBOX_CGROUP": str(calls)})

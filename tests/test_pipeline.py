@@ -13,76 +13,16 @@ import pyarrow as pa
 import pytest
 
 import pipeline.tasks
-from jobs.data import read_examples, shuffled, take_batch
 from jobs.metrics import stage_timings
-from jobs.protocol import BUNDLED_TEMPLATE
 from jobs.rollout import rollout_in_memory
 from jobs.runtime import protocol_for, sandbox_for
 from jobs.sampling import ScriptedSampler
 from jobs.stages import observation_row, trajectories_table
 from jobs.tables import OBSERVATIONS, SAMPLES, SFT_LOSSES, TRAJECTORIES, read_table, table_from_rows
-from pipeline import ScoreTrajectories
-from pipeline.config import current_settings
-from tests.helpers import scripted, tool_call_text
+from tests.helpers import scripted
+from tests.pipeline_helpers import TRAIN, batch, build, build_train, step_dir, tool_policy
 
 REPO = Path(__file__).resolve().parent.parent
-BASE = {
-    "device": "cpu", "sampler": "hf", "chat_template": str(BUNDLED_TEMPLATE), "train_data": str(REPO / "data/synthetic_eval.jsonl"),
-    "questions_per_step": 3, "group_size": 3, "max_code_calls": 2, "max_assistant_turns": 3, "max_trajectory_tokens": 900,
-    "max_assistant_tokens": 96, "max_tool_response_tokens": 48, "trainer_max_tokens": 1024, "sandbox_workers": 2,
-    "sandbox_timeout_seconds": 5.0,
-}
-
-
-@pytest.fixture
-def configure(tmp_path, tiny_model_dir):
-    """Sets the [retool] section for one test (restored afterwards); returns the settings."""
-    config = luigi.configuration.get_config()
-    saved = dict(config.items("retool")) if config.has_section("retool") else {}
-    saved_delay = config.get("scheduler", "retry_delay", "30")
-    config.set("scheduler", "retry_delay", "1")  # failing tests retry quickly
-
-    def apply(**overrides):
-        if config.has_section("retool"):
-            config.remove_section("retool")
-        config.add_section("retool")
-        for key, value in {**BASE, "runs_dir": str(tmp_path / "runs"), "model": str(tiny_model_dir), **overrides}.items():
-            config.set("retool", key, str(value))
-        return current_settings()
-
-    yield apply
-    config.set("scheduler", "retry_delay", saved_delay)
-    config.remove_section("retool")
-    config.add_section("retool")
-    for key, value in saved.items():
-        config.set("retool", key, value)
-
-
-def batch(settings, step):
-    return take_batch(shuffled(read_examples(settings.train_data), settings.data_seed), step, settings.questions_per_step)
-
-
-def tool_policy(settings, _step=None):
-    """Branch (q + g) % 3 calls the tool that many times, then answers; even branches correctly."""
-    protocol = protocol_for(settings)
-
-    def choose(question, group, turn, step):
-        if turn < (question + group) % 3:
-            return tool_call_text(f"print({question} * 10 + {turn})\n{question} ** {turn + 2}", protocol.tool_format)
-        answer = batch(settings, step)[question].answer
-        return f"So the result is \\boxed{{{answer if group % 2 == 0 else -1}}}."
-
-    return ScriptedSampler(scripted(protocol, choose))
-
-
-def build(settings, step, sampler=None, monkeypatch=None):
-    if sampler is not None:
-        monkeypatch.setattr(pipeline.tasks, "get_sampler", lambda settings, policy=None: sampler)
-    return luigi.build([ScoreTrajectories(step=step)], local_scheduler=True, workers=1, log_level="WARNING")
-
-
-def step_dir(settings, step):
-    return settings.run_dir / f"step={step:04d}"
 
 
 def without(table: pa.Table, column: str) -> pa.Table:
@@ -97,23 +37,59 @@ def test_pipeline_parquet_equals_the_in_memory_rollout(configure, monkeypatch):
     finished = set()
 
     def record(round_index, trajectories):
-        observations_by_round.extend(observation_row(t, 1, round_index) for t in trajectories if (t.question_index, t.group_index) not in finished)
+        observations_by_round.extend(
+            observation_row(t, 1, round_index)
+            for t in trajectories
+            if (t.question_index, t.group_index) not in finished
+        )
         finished.update((t.question_index, t.group_index) for t in trajectories if t.done)
 
     protocol = protocol_for(settings)
-    trajectories = rollout_in_memory(batch(settings, 1), tool_policy(settings, 1), sandbox_for(settings), protocol, settings.rollout_config(), step=1, on_round=record)
+    trajectories = rollout_in_memory(
+        batch(settings, 1),
+        tool_policy(settings, 1),
+        sandbox_for(settings),
+        protocol,
+        settings.rollout_config(),
+        step=1,
+        on_round=record,
+    )
 
-    assert read_table(step_dir(settings, 1) / "trajectories.parquet", TRAJECTORIES).equals(trajectories_table(trajectories, 1))
-    expected_samples = table_from_rows([
-        {"step": 1, "round": r, "question_index": t.question_index, "group_index": t.group_index, "prompt_tokens": turn.prompt_tokens,
-         "completion_tokens": turn.completion_tokens, "logprobs": turn.logprobs, "text": turn.text, "finish_reason": turn.finish_reason, "seed": turn.seed}
-        for t in trajectories for r, turn in enumerate(t.turns)], SAMPLES)
-    actual_samples = pa.concat_tables(read_table(path, SAMPLES) for path in sorted(step_dir(settings, 1).glob("shard=*/round=*/samples.parquet")))
+    assert read_table(step_dir(settings, 1) / "trajectories.parquet", TRAJECTORIES).equals(
+        trajectories_table(trajectories, 1)
+    )
+    expected_samples = table_from_rows(
+        [
+            {
+                "step": 1,
+                "round": r,
+                "question_index": t.question_index,
+                "group_index": t.group_index,
+                "prompt_tokens": turn.prompt_tokens,
+                "completion_tokens": turn.completion_tokens,
+                "logprobs": turn.logprobs,
+                "text": turn.text,
+                "finish_reason": turn.finish_reason,
+                "seed": turn.seed,
+            }
+            for t in trajectories
+            for r, turn in enumerate(t.turns)
+        ],
+        SAMPLES,
+    )
+    actual_samples = pa.concat_tables(
+        read_table(path, SAMPLES) for path in sorted(step_dir(settings, 1).glob("shard=*/round=*/samples.parquet"))
+    )
     order = [("round", "ascending"), ("question_index", "ascending"), ("group_index", "ascending")]
     assert actual_samples.sort_by(order).equals(expected_samples.sort_by(order))
-    actual_observations = pa.concat_tables(read_table(path, OBSERVATIONS) for path in sorted(step_dir(settings, 1).glob("shard=*/round=*/observations.parquet")))
+    actual_observations = pa.concat_tables(
+        read_table(path, OBSERVATIONS)
+        for path in sorted(step_dir(settings, 1).glob("shard=*/round=*/observations.parquet"))
+    )
     expected_observations = table_from_rows(observations_by_round, OBSERVATIONS)
-    assert without(actual_observations.sort_by(order), "exec_seconds").equals(without(expected_observations.sort_by(order), "exec_seconds"))
+    assert without(actual_observations.sort_by(order), "exec_seconds").equals(
+        without(expected_observations.sort_by(order), "exec_seconds")
+    )
     assert {row["stop_reason"] for row in actual_observations.to_pylist() if row["done"]} >= {"answer"}
     assert any(row["tool_content"] for row in actual_observations.to_pylist())
 
@@ -123,11 +99,22 @@ def test_deleting_one_output_reruns_only_it_and_downstream(configure, monkeypatc
     assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
     folder = step_dir(settings, 0)
     files = sorted(p for p in folder.rglob("*.parquet"))
-    before = {p: (p.stat().st_mtime_ns, without(pa.parquet.read_table(p), "exec_seconds") if "observations" in p.name else pa.parquet.read_table(p)) for p in files}
+    before = {
+        p: (
+            p.stat().st_mtime_ns,
+            without(pa.parquet.read_table(p), "exec_seconds") if "observations" in p.name else pa.parquet.read_table(p),
+        )
+        for p in files
+    }
     deleted = folder / "shard=00/round=01/observations.parquet"
     deleted.unlink()
     assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
-    downstream = {deleted, folder / "shard=00/round=02/samples.parquet", folder / "shard=00/round=02/observations.parquet", folder / "trajectories.parquet"}
+    downstream = {
+        deleted,
+        folder / "shard=00/round=02/samples.parquet",
+        folder / "shard=00/round=02/observations.parquet",
+        folder / "trajectories.parquet",
+    }
     for path, (mtime, table) in before.items():
         assert (path.stat().st_mtime_ns != mtime) == (path in downstream), path
         reread = pa.parquet.read_table(path)
@@ -150,7 +137,9 @@ def test_sharded_run_equals_one_chain(configure, monkeypatch):
     sharded = configure(run="sharded", shards=3)
     assert build(sharded, 0, tool_policy(sharded, 0), monkeypatch)
     assert sorted(p.name for p in step_dir(sharded, 0).glob("shard=*")) == ["shard=00", "shard=01", "shard=02"]
-    assert read_table(step_dir(one, 0) / "trajectories.parquet", TRAJECTORIES).equals(read_table(step_dir(sharded, 0) / "trajectories.parquet", TRAJECTORIES))
+    assert read_table(step_dir(one, 0) / "trajectories.parquet", TRAJECTORIES).equals(
+        read_table(step_dir(sharded, 0) / "trajectories.parquet", TRAJECTORIES)
+    )
 
 
 def test_round_without_live_trajectories_writes_an_empty_file_with_the_schema(configure, monkeypatch):
@@ -166,12 +155,22 @@ def test_real_sampler_through_the_pipeline(configure):
     settings = configure(run="hf", questions_per_step=1, group_size=2, max_assistant_tokens=12, max_assistant_turns=2)
     assert build(settings, 0)
     table = read_table(step_dir(settings, 0) / "shard=00/round=00/samples.parquet", SAMPLES)
-    assert table.num_rows == 2 and all(len(t) == len(l) for t, l in zip(table.column("completion_tokens").to_pylist(), table.column("logprobs").to_pylist()))
+    assert table.num_rows == 2 and all(
+        len(tokens) == len(logprobs)
+        for tokens, logprobs in zip(table.column("completion_tokens").to_pylist(), table.column("logprobs").to_pylist())
+    )
 
 
 def run_cli(*args, env_extra=None, cwd=REPO):
     env = {**os.environ, **(env_extra or {})}
-    return subprocess.run([sys.executable, "-m", "luigi", "--module", "pipeline", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "luigi", "--module", "pipeline", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_gpu_configuration_on_a_cpu_machine_names_the_setting():
@@ -181,9 +180,22 @@ def test_gpu_configuration_on_a_cpu_machine_names_the_setting():
 
 
 def test_missing_model_names_the_setting(tmp_path):
-    result = run_cli("ScoreTrajectories", "--step", "0", "--retool-device", "cpu", "--retool-model", str(tmp_path / "nowhere"), "--retool-runs-dir", str(tmp_path))
+    result = run_cli(
+        "ScoreTrajectories",
+        "--step",
+        "0",
+        "--retool-device",
+        "cpu",
+        "--retool-model",
+        str(tmp_path / "nowhere"),
+        "--retool-runs-dir",
+        str(tmp_path),
+    )
     assert result.returncode != 0
-    assert "setting model = " in result.stderr + result.stdout and "neither a local folder" in result.stderr + result.stdout
+    assert (
+        "setting model = " in result.stderr + result.stdout
+        and "neither a local folder" in result.stderr + result.stdout
+    )
 
 
 def test_readme_polars_snippets_answer_their_questions(configure, monkeypatch):
@@ -202,14 +214,6 @@ def test_readme_polars_snippets_answer_their_questions(configure, monkeypatch):
     assert 0 < namespace["longest_observations"].height <= 5
 
 
-TRAIN = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3, "micro_batch_items": 2, "micro_batch_tokens": 4096}
-
-
-def build_train(settings, step, sampler, monkeypatch):
-    monkeypatch.setattr(pipeline.tasks, "get_sampler", lambda settings, policy=None: sampler)
-    return luigi.build([pipeline.tasks.TrainStep(step=step)], local_scheduler=True, workers=1, log_level="WARNING")
-
-
 def test_train_step_runs_steps_in_a_chain_and_resumes_exactly(configure, monkeypatch):
     from safetensors.torch import load_file
 
@@ -222,7 +226,9 @@ def test_train_step_runs_steps_in_a_chain_and_resumes_exactly(configure, monkeyp
     for step in (0, 1):
         datums = [pa.parquet.read_table(step_dir(s, step) / "datums.parquet") for s in (together, apart)]
         assert datums[0].equals(datums[1]) and datums[0].num_rows > 0
-        weights = [load_file(step_dir(s, step) / "checkpoint/adapter/adapter_model.safetensors") for s in (together, apart)]
+        weights = [
+            load_file(step_dir(s, step) / "checkpoint/adapter/adapter_model.safetensors") for s in (together, apart)
+        ]
         assert all(bool((weights[0][k] == weights[1][k]).all()) for k in weights[0])
         assert (step_dir(together, step) / "checkpoint/metrics.json").read_text() != ""
     before = load_file(step_dir(together, 0) / "checkpoint/adapter/adapter_model.safetensors")
@@ -238,11 +244,21 @@ def test_datums_match_the_trajectories(configure, monkeypatch):
     with_signal = [(t["question_index"], t["group_index"]) for t in trajectories if t["advantage"] != 0]
     assert [(d["question_index"], d["group_index"]) for d in datums] == with_signal
     for datum in datums:
-        trajectory = next(t for t in trajectories if (t["question_index"], t["group_index"]) == (datum["question_index"], datum["group_index"]))
+        trajectory = next(
+            t
+            for t in trajectories
+            if (t["question_index"], t["group_index"]) == (datum["question_index"], datum["group_index"])
+        )
         assert datum["num_tokens"] == trajectory["trajectory_tokens"] - 1 == len(datum["target_tokens"])
         assert sum(datum["loss_mask"]) == trajectory["sampled_tokens"]
-        assert [a for a, m in zip(datum["advantages"], datum["loss_mask"]) if m] == pytest.approx([trajectory["advantage"]] * sum(datum["loss_mask"]))
-        assert all(a == 0 and o == 0 for a, o, m in zip(datum["advantages"], datum["old_logprobs"], datum["loss_mask"]) if not m)
+        assert [a for a, m in zip(datum["advantages"], datum["loss_mask"]) if m] == pytest.approx(
+            [trajectory["advantage"]] * sum(datum["loss_mask"])
+        )
+        assert all(
+            a == 0 and o == 0
+            for a, o, m in zip(datum["advantages"], datum["old_logprobs"], datum["loss_mask"])
+            if not m
+        )
 
 
 def test_train_step_writes_the_step_metrics(configure, monkeypatch):
@@ -257,18 +273,50 @@ def test_train_step_writes_the_step_metrics(configure, monkeypatch):
     assert metrics["train_padded_tokens"] >= metrics["train_tokens"] > 0 and metrics["train_micro_batches"] >= 1
     assert metrics["seconds_SampleRound"] > 0 and metrics["seconds_TrainStep"] > 0
     timings = stage_timings(step_dir(settings, 0))
-    assert {t["stage"] for t in timings} == {"Prompts", "SampleRound", "ExecuteRound", "ScoreTrajectories", "BuildDatums", "TrainStep"}
-    assert all(0 < t["parquet_seconds"] < t["seconds"] for t in timings if t["stage"] != "TrainStep")  # every other stage reads and writes Parquet
+    assert {t["stage"] for t in timings} == {
+        "Prompts",
+        "SampleRound",
+        "ExecuteRound",
+        "ScoreTrajectories",
+        "BuildDatums",
+        "TrainStep",
+    }
+    assert all(
+        0 < t["parquet_seconds"] < t["seconds"] for t in timings if t["stage"] != "TrainStep"
+    )  # every other stage reads and writes Parquet
     assert metrics["sandbox_containment"].startswith(("namespaces", "NO namespaces"))
-    assert sum(metrics[f"stop_{r}"] for r in ("answer", "invalid", "max_code_calls", "max_turns", "token_budget", "observation_over_budget", "prompt_over_budget")) == 9
+    assert (
+        sum(
+            metrics[f"stop_{r}"]
+            for r in (
+                "answer",
+                "invalid",
+                "max_code_calls",
+                "max_turns",
+                "token_budget",
+                "observation_over_budget",
+                "prompt_over_budget",
+            )
+        )
+        == 9
+    )
 
 
 def test_step_zero_samples_from_and_trains_on_top_of_the_cold_start(configure, monkeypatch):
     from jobs.runs import rl_base_model, sft_checkpoint
     from pipeline import ColdStart, TrainStep
 
-    settings = configure(run="cold", cold_start_data=str(REPO / "data/synthetic_sft.jsonl"), sft_steps=2, sft_batch_size=2,
-                         sft_lora_rank=0, lora_rank=4, lora_alpha=8, max_assistant_tokens=200, max_tool_response_tokens=128)
+    settings = configure(
+        run="cold",
+        cold_start_data=str(REPO / "data/synthetic_sft.jsonl"),
+        sft_steps=2,
+        sft_batch_size=2,
+        sft_lora_rank=0,
+        lora_rank=4,
+        lora_alpha=8,
+        max_assistant_tokens=200,
+        max_tool_response_tokens=128,
+    )
     policies = []
 
     def recording_sampler(settings, policy=None):
@@ -282,7 +330,9 @@ def test_step_zero_samples_from_and_trains_on_top_of_the_cold_start(configure, m
     assert set(policies) == {sft_checkpoint(settings), step_zero}
     assert rl_base_model(settings) == sft_checkpoint(settings) / "model"
     config = json.loads((step_zero / "adapter" / "adapter_config.json").read_text())
-    assert Path(config["base_model_name_or_path"]) == rl_base_model(settings)  # RL's LoRA sits on the cold start's weights
+    assert Path(config["base_model_name_or_path"]) == rl_base_model(
+        settings
+    )  # RL's LoRA sits on the cold start's weights
     assert (step_one / "_SUCCESS").exists()
 
 
@@ -295,3 +345,24 @@ def test_a_bad_cold_start_file_fails_once_with_its_line_and_writes_nothing(confi
     result = luigi.build([SFTExamples()], local_scheduler=True, workers=1, log_level="WARNING", detailed_summary=True)
     assert not result.scheduling_succeeded
     assert not (settings.run_dir / "sft").exists() or not list((settings.run_dir / "sft").glob("*.parquet"))
+
+
+def test_task_help_does_not_import_torch():
+    probe = (
+        "import atexit, sys\n"
+        "atexit.register(lambda: print('torch imported:', 'torch' in sys.modules))\n"
+        "from luigi.cmdline import luigi_run\n"
+        "luigi_run(['--module', 'pipeline', 'TrainStep', '--help'])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "--step" in result.stdout and "torch imported: False" in result.stdout, result.stdout[-2000:]
+
+
+def test_a_sampler_that_does_not_serve_the_policy_fails_the_step_before_saving(configure, monkeypatch):
+    from jobs.trainer import PolicySyncError
+
+    settings = configure(run="out-of-sync", max_sampler_gap=1e-3, **TRAIN)  # the scripted logprobs are made up
+    assert not build_train(settings, 0, tool_policy(settings), monkeypatch)
+    assert not (step_dir(settings, 0) / "checkpoint").exists()
+    with pytest.raises(PolicySyncError, match="the sampler does not serve the trained policy"):
+        pipeline.tasks.train_stage(settings, 0, "cpu")

@@ -16,11 +16,14 @@ def test_parse_answer_and_invalid_turns():
     invalid = {
         "two calls": tool_call_text("a=1", "hermes") + "\n" + tool_call_text("b=2", "hermes"),
         "text after": tool_call_text("a=1", "hermes") + " and then more",
-        "unclosed": "<tool_call>\n{\"name\": \"code_interpreter\", \"arguments\": {\"code\": \"1\"",
+        "unclosed": '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "1"',
         "empty code": tool_call_text("   ", "hermes"),
         "wrong tool": '<tool_call>\n{"name": "browser", "arguments": {"code": "1"}}\n</tool_call>',
         "bad json": "<tool_call>\n{name: code}\n</tool_call>",
-        "xml two params": "<tool_call>\n<function=code_interpreter>\n<parameter=code>\n1\n</parameter>\n<parameter=x>\n2\n</parameter>\n</function>\n</tool_call>",
+        "xml two params": (
+            "<tool_call>\n<function=code_interpreter>\n<parameter=code>\n1\n</parameter>\n"
+            "<parameter=x>\n2\n</parameter>\n</function>\n</tool_call>"
+        ),
         "closing only": "done </tool_call>",
     }
     for name, text in invalid.items():
@@ -73,7 +76,11 @@ def test_next_prompt_extends_tokens_over_three_tool_rounds(tokenizer, bundled, p
         observation = f"{round_number}\nline two"
         next_prompt = protocol.build_next_prompt(prompt, tokens, messages, observation, f"code-0-0-{round_number + 1}")
         assert next_prompt[: len(prompt) + len(tokens)] == prompt + tokens
-        messages = [*messages, protocol.assistant_message(text), protocol.tool_message(observation, f"code-0-0-{round_number + 1}")]
+        messages = [
+            *messages,
+            protocol.assistant_message(text),
+            protocol.tool_message(observation, f"code-0-0-{round_number + 1}"),
+        ]
         assert tokenizer.decode(next_prompt) == protocol.render(messages, add_generation_prompt=True)
         prompt = next_prompt
 
@@ -98,7 +105,8 @@ def test_wrapper_token_count_matches_an_empty_observation(hermes):
 def test_template_that_drops_assistant_content_is_rejected(tokenizer, tmp_path):
     template = tmp_path / "drops.jinja"
     template.write_text(
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role != 'assistant' %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.role != 'assistant' %}{{ m.content }}{% endif "
+        "%}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     with pytest.raises(TemplateError, match="drops or rewrites assistant content"):
@@ -109,7 +117,8 @@ def test_template_that_closes_turns_differently_before_a_tool_is_rejected(tokeni
     template = tmp_path / "rewrites.jinja"
     template.write_text(
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
-        "{% if not loop.last and messages[loop.index0 + 1].role == 'tool' %}<|endoftext|>{% else %}<|im_end|>{% endif %}\n{% endfor %}"
+        "{% if not loop.last and messages[loop.index0 + 1].role == 'tool' %}<|endoftext|>{% else %}<|im_end|>{% "
+        "endif %}\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     protocol = ChatProtocol(tokenizer, chat_template=template)
@@ -120,3 +129,19 @@ def test_template_that_closes_turns_differently_before_a_tool_is_rejected(tokeni
 def test_unknown_tool_format_is_rejected(tokenizer):
     with pytest.raises(ValueError, match="tool_format"):
         ChatProtocol(tokenizer, tool_format="yaml", chat_template=BUNDLED_TEMPLATE)
+
+
+def test_template_keyword_arguments_reach_every_render(tokenizer, tmp_path):
+    template = tmp_path / "thinking.jinja"
+    template.write_text(
+        BUNDLED_TEMPLATE.read_text()
+        + "{%- if add_generation_prompt and not enable_thinking -%}{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
+    )
+    off = ChatProtocol(tokenizer, chat_template=template, template_kwargs={"enable_thinking": False})
+    on = ChatProtocol(tokenizer, chat_template=template, template_kwargs={"enable_thinking": True})
+    messages = off.initial_messages("What is 2 + 2?")
+    assert off.render(messages, True).endswith("<think>\n\n</think>\n\n") and not on.render(messages, True).endswith(
+        "</think>\n\n"
+    )
+    delta = off.tokenizer.decode(off.observation_delta(messages, [], "4", "c"))
+    assert delta.endswith("<think>\n\n</think>\n\n")  # the continuation after a tool message is rendered the same way

@@ -7,16 +7,24 @@ import pytest
 from PIL import Image
 
 import pipeline.tasks
-from jobs.analysis import eval_by_checkpoint, length_distributions, metrics_by_step, sandbox_error_kinds, solve_rates, tool_success_by_round, worst_trajectories
+from jobs.analysis import (
+    eval_by_checkpoint,
+    length_distributions,
+    metrics_by_step,
+    sandbox_error_kinds,
+    solve_rates,
+    tool_success_by_round,
+    worst_trajectories,
+)
 from jobs.report import PLOTS, make_report
 from jobs.runtime import protocol_for
 from jobs.sampling import ScriptedSampler
 from tests.helpers import scripted, tool_call_text
-from tests.test_pipeline import TRAIN, batch, configure  # noqa: F401  (fixture)
+from tests.pipeline_helpers import TRAIN, batch
 
 
 @pytest.fixture
-def two_step_run(configure, monkeypatch):  # noqa: F811
+def two_step_run(configure, monkeypatch):
     """Two training steps, a report, and evaluations of the base model and of step 1. Branch 1
     divides by zero, branch 2 prints, even branches answer correctly."""
     settings = configure(run="report", **TRAIN)
@@ -29,8 +37,14 @@ def two_step_run(configure, monkeypatch):  # noqa: F811
         answer = examples[question].answer if question < len(examples) else "?"  # evaluations: any answer
         return f"\\boxed{{{answer if group % 2 == 0 else -1}}}"
 
-    monkeypatch.setattr(pipeline.tasks, "get_sampler", lambda s, policy=None: ScriptedSampler(scripted(protocol_for(s), choose)))
-    tasks = [pipeline.tasks.Report(step=1), pipeline.tasks.Evaluate(step=-1, dataset=settings.train_data, n=2), pipeline.tasks.Evaluate(step=1, dataset=settings.train_data, n=2)]
+    monkeypatch.setattr(
+        pipeline.tasks, "get_sampler", lambda s, policy=None: ScriptedSampler(scripted(protocol_for(s), choose))
+    )
+    tasks = [
+        pipeline.tasks.Report(step=1),
+        pipeline.tasks.Evaluate(step=-1, dataset=settings.train_data, n=2),
+        pipeline.tasks.Evaluate(step=1, dataset=settings.train_data, n=2),
+    ]
     assert luigi.build(tasks, local_scheduler=True, workers=1, log_level="WARNING")
     return settings
 
@@ -38,7 +52,9 @@ def two_step_run(configure, monkeypatch):  # noqa: F811
 def test_analysis_answers_its_questions(two_step_run):
     run = two_step_run.run_dir
     metrics = metrics_by_step(run)
-    assert metrics["step"].to_list() == [0, 1] and {"reward_mean", "train_loss", "sandbox_ok_rate"} <= set(metrics.columns)
+    assert metrics["step"].to_list() == [0, 1] and {"reward_mean", "train_loss", "sandbox_ok_rate"} <= set(
+        metrics.columns
+    )
     calls = tool_success_by_round(run)
     assert calls["calls"].sum() == sum(metrics["sandbox_calls"].to_list())
     errors = sandbox_error_kinds(run)

@@ -7,13 +7,13 @@ import pytest
 from jobs.data import MathExample
 from jobs.datums import PrefixError, build_datum, trajectory_sequence
 from jobs.rollout import (
+    PendingExecution,
     RolloutConfig,
     Trajectory,
     apply_samples,
     assign_group_advantages,
     fit_tool_content,
     plan_requests,
-    PendingExecution,
     rollout_in_memory,
     sample_seed,
     start_trajectories,
@@ -23,8 +23,15 @@ from jobs.sampling import SampledSequence, SamplerContractError, ScriptedSampler
 from tests.helpers import InstantSandbox, completion, scripted, tool_call_text
 
 EXAMPLES = [MathExample("q0", "What is 2+2?", "4", "t"), MathExample("q1", "What is 3*3?", "9", "t")]
-CONFIG = RolloutConfig(group_size=4, max_code_calls=2, max_assistant_turns=4, max_trajectory_tokens=2048,
-                       max_assistant_tokens=256, max_tool_response_tokens=64, trainer_max_tokens=4096)
+CONFIG = RolloutConfig(
+    group_size=4,
+    max_code_calls=2,
+    max_assistant_turns=4,
+    max_trajectory_tokens=2048,
+    max_assistant_tokens=256,
+    max_tool_response_tokens=64,
+    trainer_max_tokens=4096,
+)
 
 
 def tool_then_answer(protocol):
@@ -45,6 +52,7 @@ def run(protocol, sampler, config=CONFIG, examples=EXAMPLES, sandbox=None, step=
 
 # -- invariants ---------------------------------------------------------------------------------
 
+
 def test_invariant_1_completion_and_logprobs_have_equal_length(hermes):
     for trajectory in run(hermes, tool_then_answer(hermes)):
         assert all(len(t.completion_tokens) == len(t.logprobs) for t in trajectory.turns)
@@ -56,8 +64,11 @@ def test_invariant_1_completion_and_logprobs_have_equal_length(hermes):
 def test_invariant_2_next_prompt_is_prompt_plus_completion_plus_delta(protocol):
     for trajectory in run(protocol, tool_then_answer(protocol)):
         for before, after in zip(trajectory.turns, trajectory.turns[1:]):
-            assert after.prompt_tokens[: len(before.prompt_tokens) + len(before.completion_tokens)] == before.prompt_tokens + before.completion_tokens
-            delta = after.prompt_tokens[len(before.prompt_tokens) + len(before.completion_tokens):]
+            assert (
+                after.prompt_tokens[: len(before.prompt_tokens) + len(before.completion_tokens)]
+                == before.prompt_tokens + before.completion_tokens
+            )
+            delta = after.prompt_tokens[len(before.prompt_tokens) + len(before.completion_tokens) :]
             assert "<tool_response>" in protocol.tokenizer.decode(delta)
 
 
@@ -75,7 +86,9 @@ def test_invariant_3_completions_are_the_samplers_tokens(hermes):
 
 def test_invariant_4_every_sampled_turn_is_recorded_before_parsing(hermes):
     config = RolloutConfig(**{**CONFIG.__dict__, "max_assistant_turns": 2})
-    always_tool = ScriptedSampler(scripted(hermes, lambda q, g, t: tool_call_text("print(1)", "hermes") if g % 2 else "<tool_call>broken"))
+    always_tool = ScriptedSampler(
+        scripted(hermes, lambda q, g, t: tool_call_text("print(1)", "hermes") if g % 2 else "<tool_call>broken")
+    )
     for trajectory in run(hermes, always_tool, config):
         if trajectory.group_index % 2:  # valid calls: the last one is recorded though never run
             assert [t.kind for t in trajectory.turns] == ["tool", "tool"] and trajectory.stop_reason == "max_turns"
@@ -95,7 +108,9 @@ def test_invariant_5_first_round_asks_group_size_then_one_per_trajectory(hermes)
 
 def test_invariant_6_only_sampled_tokens_are_actions(hermes):
     # Tool calls stop on </tool_call> without the closing token, so the delta carries the closing.
-    sampler = ScriptedSampler(scripted(hermes, lambda q, g, t: tool_call_text("print(1)", "hermes") if t == 0 else "\\boxed{4}", close=False))
+    sampler = ScriptedSampler(
+        scripted(hermes, lambda q, g, t: tool_call_text("print(1)", "hermes") if t == 0 else "\\boxed{4}", close=False)
+    )
     trajectory = run(hermes, sampler)[0]
     sequence = trajectory_sequence(trajectory)
     first, second = trajectory.turns
@@ -104,7 +119,9 @@ def test_invariant_6_only_sampled_tokens_are_actions(hermes):
     expected += [False] * (len(second.prompt_tokens) - len(first.prompt_tokens) - len(first.completion_tokens))
     expected += [True] * len(second.completion_tokens)
     assert sequence.is_action == expected
-    assert [lp for lp, action in zip(sequence.old_logprobs, sequence.is_action) if action] == first.logprobs + second.logprobs
+    assert [
+        lp for lp, action in zip(sequence.old_logprobs, sequence.is_action) if action
+    ] == first.logprobs + second.logprobs
     assert all(lp == 0.0 for lp, action in zip(sequence.old_logprobs, sequence.is_action) if not action)
     closing = second.prompt_tokens[len(first.prompt_tokens) + len(first.completion_tokens)]
     assert closing == hermes.stop_token_ids[0]  # the closing the model did not emit is context
@@ -112,7 +129,12 @@ def test_invariant_6_only_sampled_tokens_are_actions(hermes):
 
 def test_invariant_7_prompt_plus_completion_stays_within_budget(hermes):
     config = RolloutConfig(**{**CONFIG.__dict__, "max_trajectory_tokens": 700, "max_tool_response_tokens": 200})
-    long_output = ScriptedSampler(scripted(hermes, lambda q, g, t: tool_call_text("print('x' * 5000)", "hermes") if t < 3 else "\\boxed{4}" + " pad" * 300))
+    long_output = ScriptedSampler(
+        scripted(
+            hermes,
+            lambda q, g, t: tool_call_text("print('x' * 5000)", "hermes") if t < 3 else "\\boxed{4}" + " pad" * 300,
+        )
+    )
     for trajectory in run(hermes, long_output, config):
         for turn in trajectory.turns:
             assert len(turn.prompt_tokens) + len(turn.completion_tokens) <= config.max_trajectory_tokens
@@ -132,6 +154,7 @@ def test_invariant_8_rewards_first_then_advantages_by_question(hermes):
 
 
 # -- edge cases ---------------------------------------------------------------------------------
+
 
 def pending_for(protocol, config, prompt_length):
     """A pending call whose prompt + completion is `prompt_length` tokens long."""
@@ -157,7 +180,10 @@ def test_edge_1_truncation_always_terminates_and_fits(hermes, content_length, ro
     text, next_prompt = fitted
     assert len(next_prompt) <= config.max_trajectory_tokens
     assert hermes.count_tokens(text) <= config.max_tool_response_tokens
-    assert text == content or (text.startswith("[... truncated ...]") and (content.endswith(text.split("\n", 1)[-1]) or text == "[... truncated ...]"))
+    assert text == content or (
+        text.startswith("[... truncated ...]")
+        and (content.endswith(text.split("\n", 1)[-1]) or text == "[... truncated ...]")
+    )
 
 
 def test_edge_2_prompt_over_budget_still_yields_the_group(hermes):
@@ -239,7 +265,17 @@ def _request():
     return SampleRequest(0, (0,), (1, 2, 3), 8, 1)
 
 
-@pytest.mark.parametrize("field", ["group_size", "max_code_calls", "max_assistant_turns", "max_trajectory_tokens", "max_assistant_tokens", "max_tool_response_tokens"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "group_size",
+        "max_code_calls",
+        "max_assistant_turns",
+        "max_trajectory_tokens",
+        "max_assistant_tokens",
+        "max_tool_response_tokens",
+    ],
+)
 @pytest.mark.parametrize("value", [0, -1])
 def test_edge_8_non_positive_settings_are_rejected(field, value):
     with pytest.raises(ValueError, match=f"RolloutConfig.{field} must be a positive integer"):
@@ -253,6 +289,7 @@ def test_edge_9_empty_input_gives_empty_output(hermes):
 
 
 # -- the rest of the machine ----------------------------------------------------------------------
+
 
 def test_seeds_include_the_step_and_never_collide():
     seen = {sample_seed(42, step, q, g, t) for step in range(3) for q in range(4) for g in range(8) for t in range(6)}
@@ -284,7 +321,9 @@ def test_stop_reasons_and_code_calls(hermes):
 def test_real_sandbox_observation_reaches_the_next_prompt(hermes):
     from jobs.sandbox import Sandbox
 
-    sampler = ScriptedSampler(scripted(hermes, lambda q, g, t: tool_call_text("x = 6 * 7\nx", "hermes") if t == 0 else "\\boxed{42}"))
+    sampler = ScriptedSampler(
+        scripted(hermes, lambda q, g, t: tool_call_text("x = 6 * 7\nx", "hermes") if t == 0 else "\\boxed{42}")
+    )
     trajectory = run(hermes, sampler, examples=EXAMPLES[:1], sandbox=Sandbox())[0]
     assert trajectory.turns[0].tool_call.status == "ok" and trajectory.turns[0].tool_call.content == "42"
     assert "<tool_response>\n42\n</tool_response>" in hermes.tokenizer.decode(trajectory.turns[1].prompt_tokens)
@@ -293,7 +332,17 @@ def test_real_sandbox_observation_reaches_the_next_prompt(hermes):
 def test_requests_map_back_to_their_branches(hermes):
     trajectories = start_trajectories(EXAMPLES, hermes, CONFIG)
     requests = plan_requests(trajectories, hermes, CONFIG, step=0)
-    replies = [[SampledSequence(tuple(completion(hermes, f"\\boxed{{{r.question_index}{g}}}")[0]), tuple(completion(hermes, f"\\boxed{{{r.question_index}{g}}}")[1]), "stop") for g in r.group_indices] for r in requests]
+    replies = [
+        [
+            SampledSequence(
+                tuple(completion(hermes, f"\\boxed{{{r.question_index}{g}}}")[0]),
+                tuple(completion(hermes, f"\\boxed{{{r.question_index}{g}}}")[1]),
+                "stop",
+            )
+            for g in r.group_indices
+        ]
+        for r in requests
+    ]
     assert apply_samples(trajectories, requests, replies, hermes, CONFIG) == []
     assert [t.final_text for t in trajectories] == [f"\\boxed{{{q}{g}}}" for q in range(2) for g in range(4)]
 
@@ -308,7 +357,11 @@ def test_a_turn_never_asks_for_more_than_max_assistant_tokens(hermes):
     (trajectory, *_) = start_trajectories(EXAMPLES[:1], hermes, replace(CONFIG, max_assistant_tokens=7))
     (request,) = plan_requests([trajectory], hermes, replace(CONFIG, max_assistant_tokens=7), step=0)
     assert request.max_tokens == 7
-    rolled = run(hermes, ScriptedSampler(scripted(hermes, lambda q, g, t: "a long answer " * 40, close=False)), replace(CONFIG, max_assistant_tokens=7))
+    rolled = run(
+        hermes,
+        ScriptedSampler(scripted(hermes, lambda q, g, t: "a long answer " * 40, close=False)),
+        replace(CONFIG, max_assistant_tokens=7),
+    )
     assert all(len(turn.completion_tokens) <= 7 for t in rolled for turn in t.turns)
 
 
@@ -324,3 +377,15 @@ def test_a_trajectory_over_the_trainers_context_is_a_datum_error(hermes):
     trajectory = run(hermes, tool_then_answer(hermes))[1]
     with pytest.raises(ValueError, match="over the trainer's context of 10"):
         build_datum(trajectory, 10)
+
+
+def test_a_turn_cut_off_by_its_cap_without_an_answer_ends_on_turn_budget(hermes):
+    config = replace(CONFIG, max_assistant_tokens=8)
+
+    def choose(question, group, turn):
+        return ["thinking about it " * 20, "\\boxed{4} " + "and more words " * 20, "\\boxed{4}"][group % 3]
+
+    trajectories = run(hermes, ScriptedSampler(scripted(hermes, choose, close=False)), config)
+    reasons = {t.group_index: t.stop_reason for t in trajectories if t.question_index == 0}
+    assert [reasons[g] for g in range(3)] == ["turn_budget", "answer", "answer"]  # a boxed answer counts even if cut
+    assert all(t.turns[-1].finish_reason == "length" for t in trajectories if t.stop_reason == "turn_budget")

@@ -29,7 +29,9 @@ def behaviour_text(name: str, question: int, turn: int, tool_format: str) -> tup
     return "\\boxed{1} " + "filler " * 2000, False  # budget_fill: more than any budget
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(
     plan=st.lists(st.sampled_from(BEHAVIOURS), min_size=1, max_size=12),
     questions=st.integers(0, 3),
@@ -41,14 +43,32 @@ def behaviour_text(name: str, question: int, turn: int, tool_format: str) -> tup
     max_tool_response_tokens=st.integers(1, 200),
     step=st.integers(0, 5),
 )
-def test_any_behaviour_ends_every_trajectory_with_the_invariants(protocol, plan, questions, group_size, max_code_calls, max_turns, max_trajectory_tokens, max_assistant_tokens, max_tool_response_tokens, step):
+def test_any_behaviour_ends_every_trajectory_with_the_invariants(
+    protocol,
+    plan,
+    questions,
+    group_size,
+    max_code_calls,
+    max_turns,
+    max_trajectory_tokens,
+    max_assistant_tokens,
+    max_tool_response_tokens,
+    step,
+):
     config = RolloutConfig(
-        group_size=group_size, max_code_calls=max_code_calls, max_assistant_turns=max_turns,
-        max_trajectory_tokens=max_trajectory_tokens, max_assistant_tokens=max_assistant_tokens,
-        max_tool_response_tokens=max_tool_response_tokens, min_tool_response_tokens=min(8, max_tool_response_tokens),
+        group_size=group_size,
+        max_code_calls=max_code_calls,
+        max_assistant_turns=max_turns,
+        max_trajectory_tokens=max_trajectory_tokens,
+        max_assistant_tokens=max_assistant_tokens,
+        max_tool_response_tokens=max_tool_response_tokens,
+        min_tool_response_tokens=min(8, max_tool_response_tokens),
         trainer_max_tokens=2048,
     )
-    examples = [MathExample(f"q{i}", f"Question {i}: what is {i}+{i}?" + " Think." * (60 * (i == 2)), str(2 * i), "t") for i in range(questions)]
+    examples = [
+        MathExample(f"q{i}", f"Question {i}: what is {i}+{i}?" + " Think." * (60 * (i == 2)), str(2 * i), "t")
+        for i in range(questions)
+    ]
 
     def script(request, index):
         group, turn = request.group_indices[index], request.seed & 63
@@ -60,7 +80,9 @@ def test_any_behaviour_ends_every_trajectory_with_the_invariants(protocol, plan,
     trajectories = rollout_in_memory(examples, sampler, InstantSandbox(), protocol, config, step=step)
 
     assert len(trajectories) == questions * group_size
-    assert sorted((t.question_index, t.group_index) for t in trajectories) == [(q, g) for q in range(questions) for g in range(group_size)]
+    assert sorted((t.question_index, t.group_index) for t in trajectories) == [
+        (q, g) for q in range(questions) for g in range(group_size)
+    ]
     for request in sampler.requests:
         first_round = request.seed & 63 == 0
         assert request.num_samples == (group_size if first_round else 1)

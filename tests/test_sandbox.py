@@ -16,7 +16,10 @@ def running(marker: str) -> bool:
     namespace mean nothing out here, so processes are found by a unique argument)."""
     for stat in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            if marker in stat.read_bytes().decode(errors="replace") and Path(stat.parent, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            if (
+                marker in stat.read_bytes().decode(errors="replace")
+                and Path(stat.parent, "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            ):
                 return True
         except OSError:
             continue
@@ -25,7 +28,9 @@ def running(marker: str) -> bool:
 
 @pytest.fixture(scope="module")
 def sandbox():
-    return Sandbox(SandboxConfig(timeout_seconds=3, cpu_seconds=3, memory_mb=512, output_tail_bytes=2000, max_workers=2))
+    return Sandbox(
+        SandboxConfig(timeout_seconds=3, cpu_seconds=3, memory_mb=512, output_tail_bytes=2000, max_workers=2)
+    )
 
 
 def test_ok_output(sandbox):
@@ -61,7 +66,10 @@ def test_syntax_error_comes_back(sandbox):
 
 
 def test_timeout_kills_the_whole_process_group(sandbox):
-    code = "import subprocess, time\nchild = subprocess.Popen(['sleep', '60.0101'])\nprint(child.pid, flush=True)\ntime.sleep(60)"
+    code = (
+        "import subprocess, time\nchild = subprocess.Popen(['sleep', '60.0101'])\n"
+        "print(child.pid, flush=True)\ntime.sleep(60)"
+    )
     started = time.monotonic()
     result = sandbox.run_code(code)
     assert result.status == "timeout" and "TimeoutError" in result.stderr
@@ -112,7 +120,9 @@ def test_environment_is_clean(sandbox, monkeypatch):
 def test_no_file_descriptor_is_inherited(prewarmed):
     sandbox = Sandbox(SandboxConfig(prewarmed=prewarmed, max_workers=1))
     try:
-        result = sandbox.run_code("import os\nprint(sorted(os.readlink(f'/proc/self/fd/{fd}') for fd in os.listdir('/proc/self/fd')[:-1]))")
+        result = sandbox.run_code(
+            "import os\nprint(sorted(os.readlink(f'/proc/self/fd/{fd}') for fd in os.listdir('/proc/self/fd')[:-1]))"
+        )
     finally:
         sandbox.close()
     workdir = result.stdout.split(".stdout")[0].rsplit("'", 1)[-1]
@@ -164,9 +174,13 @@ def test_stats_count_each_status(sandbox):
 def test_command_line_prints_the_observation(tmp_path):
     script = tmp_path / "cell.py"
     script.write_text("x = 2 ** 10\nx")
-    shown = subprocess.run([sys.executable, "-m", "jobs.sandbox", str(script)], capture_output=True, text=True, check=True)
+    shown = subprocess.run(
+        [sys.executable, "-m", "jobs.sandbox", str(script)], capture_output=True, text=True, check=True
+    )
     assert shown.stdout == "1024\n"
-    as_json = subprocess.run([sys.executable, "-m", "jobs.sandbox", str(script), "--json"], capture_output=True, text=True, check=True)
+    as_json = subprocess.run(
+        [sys.executable, "-m", "jobs.sandbox", str(script), "--json"], capture_output=True, text=True, check=True
+    )
     assert json.loads(as_json.stdout)["status"] == "ok"
 
 
@@ -178,7 +192,13 @@ def test_bad_config_is_rejected():
 
 
 def test_prewarmed_and_cold_calls_agree():
-    codes = ["print(6 * 7)", "x = 1\n1 / 0", "import sympy\nsympy.factorint(360)", "import os\nprint(sorted(os.environ)[:2])", "import sys\nsys.exit(3)"]
+    codes = [
+        "print(6 * 7)",
+        "x = 1\n1 / 0",
+        "import sympy\nsympy.factorint(360)",
+        "import os\nprint(sorted(os.environ)[:2])",
+        "import sys\nsys.exit(3)",
+    ]
     cold, warm = Sandbox(SandboxConfig(prewarmed=False)), Sandbox(SandboxConfig(prewarmed=True))
     try:
         for code in codes:
@@ -188,7 +208,9 @@ def test_prewarmed_and_cold_calls_agree():
         warm.close()
 
 
-needs_prewarmed = pytest.mark.skipif(not Sandbox().prewarmed, reason="pre-warmed servers need namespaces and a pids cgroup")
+needs_prewarmed = pytest.mark.skipif(
+    not Sandbox().prewarmed, reason="pre-warmed servers need namespaces and a pids cgroup"
+)
 
 
 @needs_prewarmed
@@ -207,7 +229,11 @@ def test_forked_processes_fork_their_servers_from_the_same_zygote():
             try:
                 result = sandbox.run_code("import sympy\nprint(sympy.factorint(12))")
                 child_server = sandbox._servers.get_nowait()
-                fine = result.stdout == "{2: 2, 3: 1}\n" and child_server.pid != parent_server.pid and sandbox._zygote is None
+                fine = (
+                    result.stdout == "{2: 2, 3: 1}\n"
+                    and child_server.pid != parent_server.pid
+                    and sandbox._zygote is None
+                )
                 os.write(writer, b"ok" if fine else repr((result, child_server.pid, parent_server.pid)).encode())
             finally:
                 os._exit(0)
@@ -225,7 +251,8 @@ def test_code_cannot_reach_the_zygote():
     sandbox = Sandbox(SandboxConfig(max_workers=1))
     try:
         sandbox.prewarm()
-        code = f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({sandbox._zygote_address!r})\nprint('connected')"
+        connect = f"s.connect({sandbox._zygote_address!r})"
+        code = f"import socket\ns = socket.socket(socket.AF_UNIX)\n{connect}\nprint('connected')"
         result = sandbox.run_code(code)
     finally:
         sandbox.close()

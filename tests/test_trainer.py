@@ -15,7 +15,15 @@ from jobs.datums import Datum
 from jobs.packing import loss_token_weights, pack_micro_batches
 from jobs.stages import datums_from_table
 from jobs.tables import DATUMS, table_from_rows, write_table_atomically
-from jobs.trainer import TrainerConfig, accumulate_gradients, load_policy, prune_checkpoints, save_checkpoint, token_logprobs, train_step
+from jobs.trainer import (
+    TrainerConfig,
+    accumulate_gradients,
+    load_policy,
+    prune_checkpoints,
+    save_checkpoint,
+    token_logprobs,
+    train_step,
+)
 
 CONFIG = TrainerConfig(lora_rank=8, lora_alpha=16, learning_rate=5e-3)
 
@@ -25,12 +33,19 @@ def make_datum(question, group, prompt, completion, advantage, old_logprobs, obs
     tokens = list(prompt) + list(completion) + list(observation) + list(second)
     action = [False] * len(prompt) + [True] * len(completion) + [False] * len(observation) + [True] * len(second)
     old = [0.0] * len(prompt) + list(old_logprobs) + [0.0] * (len(observation) + len(second))
-    return Datum(question, group, tokens[:-1], tokens[1:], old[1:], [advantage if a else 0.0 for a in action[1:]], action[1:])
+    return Datum(
+        question, group, tokens[:-1], tokens[1:], old[1:], [advantage if a else 0.0 for a in action[1:]], action[1:]
+    )
 
 
 def sequence_logprob(model, datum):
     with torch.no_grad():
-        logprobs = token_logprobs(model, torch.tensor([datum.input_tokens]), torch.ones(1, datum.num_tokens, dtype=torch.long), torch.tensor([datum.target_tokens]))[0]
+        logprobs = token_logprobs(
+            model,
+            torch.tensor([datum.input_tokens]),
+            torch.ones(1, datum.num_tokens, dtype=torch.long),
+            torch.tensor([datum.target_tokens]),
+        )[0]
     return float(logprobs[torch.tensor(datum.loss_mask)].sum())
 
 
@@ -41,7 +56,12 @@ def on_policy_datums(model):
     for group, (completion, advantage) in enumerate([(list(range(300, 312)), 1.0), (list(range(400, 412)), -1.0)]):
         draft = make_datum(0, group, prompt, completion, advantage, [0.0] * len(completion))
         with torch.no_grad():
-            logprobs = token_logprobs(model, torch.tensor([draft.input_tokens]), torch.ones(1, draft.num_tokens, dtype=torch.long), torch.tensor([draft.target_tokens]))[0].tolist()
+            logprobs = token_logprobs(
+                model,
+                torch.tensor([draft.input_tokens]),
+                torch.ones(1, draft.num_tokens, dtype=torch.long),
+                torch.tensor([draft.target_tokens]),
+            )[0].tolist()
         old = [lp if m else 0.0 for lp, m in zip(logprobs, draft.loss_mask)]
         datums.append(replace(draft, old_logprobs=old))
     return datums
@@ -60,11 +80,19 @@ def test_one_step_raises_positive_and_lowers_negative_completions(tiny_model_dir
 
 
 def test_observation_tokens_never_reach_the_gradient(tiny_model_dir):
-    prompt, first, observation, second = list(range(200, 220)), list(range(300, 306)), list(range(500, 510)), list(range(600, 606))
+    prompt, first, observation, second = (
+        list(range(200, 220)),
+        list(range(300, 306)),
+        list(range(500, 510)),
+        list(range(600, 606)),
+    )
     datum = make_datum(0, 0, prompt, first, 1.0, [-2.0] * 6, observation, second)
     # The same datum, with nonsense advantages and logprobs on the observation tokens only.
-    noisy = replace(datum, advantages=[a if m else 7.0 for a, m in zip(datum.advantages, datum.loss_mask)],
-                    old_logprobs=[o if m else -9.0 for o, m in zip(datum.old_logprobs, datum.loss_mask)])
+    noisy = replace(
+        datum,
+        advantages=[a if m else 7.0 for a, m in zip(datum.advantages, datum.loss_mask)],
+        old_logprobs=[o if m else -9.0 for o, m in zip(datum.old_logprobs, datum.loss_mask)],
+    )
     results = []
     for variant in (datum, noisy):
         model, optimizer = load_policy(tiny_model_dir, None, CONFIG)
@@ -80,7 +108,10 @@ def test_accumulated_micro_batch_gradients_equal_one_batch(tiny_model_dir, aggre
     datums = on_policy_datums(model) + [make_datum(1, 0, list(range(100, 150)), list(range(700, 709)), 0.5, [-3.0] * 9)]
     weights = loss_token_weights([d.loss_tokens for d in datums], aggregation, num_samples=5)
     gradients = []
-    for batches in (pack_micro_batches([d.num_tokens for d in datums], 1, 10_000), pack_micro_batches([d.num_tokens for d in datums], 10, 10_000)):
+    for batches in (
+        pack_micro_batches([d.num_tokens for d in datums], 1, 10_000),
+        pack_micro_batches([d.num_tokens for d in datums], 10, 10_000),
+    ):
         model.zero_grad(set_to_none=True)
         accumulate_gradients(model, datums, batches, weights, config)
         gradients.append([p.grad.clone() for p in model.parameters() if p.requires_grad])
@@ -156,18 +187,49 @@ def test_retention_keeps_the_newest_and_every_nth(tmp_path):
 @pytest.mark.slow
 def test_two_processes_give_the_same_parameters_as_one(tiny_model_dir, tmp_path):
     model, _ = load_policy(tiny_model_dir, None, CONFIG)
-    datums = on_policy_datums(model) + [make_datum(1, g, list(range(100, 140)), list(range(700 + g, 710 + g)), 0.5 - g, [-3.0] * 10) for g in range(3)]
+    datums = on_policy_datums(model) + [
+        make_datum(1, g, list(range(100, 140)), list(range(700 + g, 710 + g)), 0.5 - g, [-3.0] * 10) for g in range(3)
+    ]
     rows = [{"step": 0, **{k: v for k, v in asdict(d).items()}, "num_tokens": d.num_tokens} for d in datums]
     write_table_atomically(table_from_rows(rows, DATUMS), tmp_path / "datums.parquet")
     (tmp_path / "config.json").write_text(json.dumps(asdict(replace(CONFIG, micro_batch_items=1))))
-    common = ["-m", "jobs.trainer", "--base-model", str(tiny_model_dir), "--datums", str(tmp_path / "datums.parquet"), "--trajectories", "6", "--config", str(tmp_path / "config.json")]
+    common = [
+        "-m",
+        "jobs.trainer",
+        "--base-model",
+        str(tiny_model_dir),
+        "--datums",
+        str(tmp_path / "datums.parquet"),
+        "--trajectories",
+        "6",
+        "--config",
+        str(tmp_path / "config.json"),
+    ]
     subprocess.run([sys.executable, *common, "--out", str(tmp_path / "one")], check=True, capture_output=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517", *common, "--out", str(tmp_path / "two")], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            "29517",
+            *common,
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        check=True,
+        capture_output=True,
+    )
     one, two = (load_file(tmp_path / name / "adapter" / "adapter_model.safetensors") for name in ("one", "two"))
     assert one.keys() == two.keys()
     for name in one:  # equal up to the order of float sums, which Adam magnifies where a gradient is near 0 (lr 5e-3)
         torch.testing.assert_close(one[name], two[name], rtol=0, atol=1e-5, msg=name)
-    assert json.loads((tmp_path / "two" / "metrics.json").read_text())["loss_tokens"] == json.loads((tmp_path / "one" / "metrics.json").read_text())["loss_tokens"]
+    assert (
+        json.loads((tmp_path / "two" / "metrics.json").read_text())["loss_tokens"]
+        == json.loads((tmp_path / "one" / "metrics.json").read_text())["loss_tokens"]
+    )
     assert len(datums_from_table(pq_read(tmp_path / "datums.parquet"))) == len(datums)
 
 
@@ -210,3 +272,55 @@ def test_filtering_zero_variance_groups_averages_over_datums_only(tiny_model_dir
         model, optimizer = load_policy(tiny_model_dir, None, config)
         losses[filtered] = train_step(model, optimizer, datums, config, num_trajectories=10).loss
     assert losses[True] == pytest.approx(losses[False] * 5, rel=1e-4)  # 2 datums of 10 trajectories
+
+
+def step_gradients(tiny_model_dir, config):
+    """Loss and LoRA gradients of one accumulation over the on-policy datums."""
+    model, _ = load_policy(tiny_model_dir, None, config)
+    datums = on_policy_datums(model)
+    batches = pack_micro_batches([d.num_tokens for d in datums], config.micro_batch_items, config.micro_batch_tokens)
+    weights = loss_token_weights([d.loss_tokens for d in datums], config.loss_aggregation, len(datums))
+    datums = [
+        replace(d, old_logprobs=[v - 0.1 if m else 0.0 for v, m in zip(d.old_logprobs, d.loss_mask)]) for d in datums
+    ]
+    totals = accumulate_gradients(model, datums, batches, weights, config)
+    gradients = {name: p.grad.float().clone() for name, p in model.named_parameters() if p.requires_grad}
+    return float(totals[0]), gradients
+
+
+def test_chunked_logprobs_and_checkpointing_give_the_same_loss_and_gradients(tiny_model_dir):
+    loss, gradients = step_gradients(tiny_model_dir, CONFIG)
+    for variant in (replace(CONFIG, logprob_chunk_tokens=5), replace(CONFIG, gradient_checkpointing=True)):
+        other_loss, other_gradients = step_gradients(tiny_model_dir, variant)
+        assert other_loss == pytest.approx(loss, rel=1e-5, abs=1e-6)
+        for name, gradient in gradients.items():
+            torch.testing.assert_close(other_gradients[name], gradient, rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_bfloat16_gives_close_losses_and_gradients(tiny_model_dir):
+    loss, gradients = step_gradients(tiny_model_dir, CONFIG)
+    low_loss, low_gradients = step_gradients(tiny_model_dir, replace(CONFIG, dtype="bfloat16"))
+    assert low_loss == pytest.approx(loss, rel=0.05, abs=1e-3)
+    for name, gradient in gradients.items():
+        cosine = torch.nn.functional.cosine_similarity(low_gradients[name].flatten(), gradient.flatten(), dim=0)
+        assert gradient.abs().max() == 0 or cosine > 0.95, name
+
+
+def test_the_trainer_dtype_follows_the_device():
+    from jobs.settings import RunSettings
+
+    assert RunSettings(device="cuda").trainer_config().dtype == "bfloat16"
+    assert RunSettings(device="cuda").trainer_config().gradient_checkpointing
+    assert RunSettings(device="cpu").trainer_config().dtype == "float32"
+    assert not RunSettings(device="cpu").trainer_config().gradient_checkpointing
+    assert RunSettings(device="cpu").frozen()["trainer_dtype"] == "float32"  # runs frozen before "auto" still match
+
+
+def test_auto_sampler_on_a_gpu_without_vllm_fails_loudly(monkeypatch):
+    import jobs.engines
+    from jobs.settings import RunSettings, SettingsError
+
+    monkeypatch.setattr(jobs.engines, "vllm_available", lambda: False)
+    with pytest.raises(SettingsError, match="sampler = auto on device = cuda needs vLLM"):
+        jobs.engines.sampler_kind(RunSettings(device="cuda"))
+    assert jobs.engines.sampler_kind(RunSettings(device="cuda", sampler="hf")) == "hf"

@@ -64,7 +64,9 @@ def test_stop_token_is_kept_in_the_tokens(engine):
     free = engine.sample(requests()[:1], SamplingSettings())[0][0]
     stop = free.tokens[2]
     stopped = engine.sample(requests()[:1], SamplingSettings(stop_token_ids=(stop,)))[0][0]
-    assert stopped.finish_reason == "stop" and stopped.tokens[-1] == stop and len(stopped.tokens) == len(stopped.logprobs)
+    assert (
+        stopped.finish_reason == "stop" and stopped.tokens[-1] == stop and len(stopped.tokens) == len(stopped.logprobs)
+    )
 
 
 def test_a_lora_checkpoint_is_served_as_a_fresh_adapter(engine, tiny_model_dir, tmp_path):
@@ -101,7 +103,10 @@ def max_gap(engine, model, request) -> float:
     with torch.no_grad():
         logprobs = model(ids).logits[0].float().log_softmax(-1)
     start = len(request.prompt_tokens) - 1
-    return max(abs(logprobs[start + i, token].item() - value) for i, (token, value) in enumerate(zip(sequence.tokens, sequence.logprobs)))
+    return max(
+        abs(logprobs[start + i, token].item() - value)
+        for i, (token, value) in enumerate(zip(sequence.tokens, sequence.logprobs))
+    )
 
 
 def test_full_weights_and_an_adapter_over_them_are_served_exactly(engine, tiny_model_dir, tmp_path):

@@ -1,0 +1,69 @@
+"""The trainer's settings and the record of one training step, apart from the trainer itself so that
+reading settings never imports torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jobs.packing import LOSS_AGGREGATIONS
+
+OBJECTIVES = ("ppo", "sft")
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    objective: str = "ppo"  # ppo (clipped surrogate on sampled tokens) | sft (negative log-likelihood, the cold start)
+    lora_rank: int = 32  # 0 trains every weight
+    lora_alpha: int = 64
+    learning_rate: float = 4e-5
+    beta1: float = 0.9
+    beta2: float = 0.95
+    max_grad_norm: float = 1.0
+    clip_low: float = 0.2  # ratio may fall to 1 - clip_low
+    clip_high: float = 0.28  # and rise to 1 + clip_high (clip-higher)
+    loss_aggregation: str = "sample_mean"  # sample_mean | token_mean (see jobs.packing)
+    micro_batch_items: int = 8
+    micro_batch_tokens: int = 8192  # padded tokens per micro-batch
+    tis_cap: float = 0.0  # truncated importance sampling cap on trainer/sampler ratio; 0 = off
+    filter_zero_variance_groups: bool = False  # sample_mean over datums only, not all trajectories
+    dtype: str = "float32"  # float32 | bfloat16
+    gradient_checkpointing: bool = False  # recompute each layer's activations in the backward pass (memory for time)
+    logprob_chunk_tokens: int = 1024  # loss tokens whose vocabulary-wide logits exist at once
+    max_sampler_gap: float = 0.0  # fail a step whose mean |trainer - sampler| logprob exceeds this; 0 = no check
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.lora_rank < 0 or self.learning_rate <= 0 or self.max_grad_norm <= 0:
+            raise ValueError(f"TrainerConfig needs lora_rank >= 0, learning_rate > 0, max_grad_norm > 0; got {self}")
+        if not 0 < self.clip_low < 1 or self.clip_high <= 0:
+            raise ValueError(
+                "TrainerConfig clip thresholds must satisfy 0 < clip_low < 1 and clip_high > 0, got "
+                f"{self.clip_low}, {self.clip_high}"
+            )
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"TrainerConfig.objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.loss_aggregation not in LOSS_AGGREGATIONS:
+            raise ValueError(
+                f"TrainerConfig.loss_aggregation must be one of {LOSS_AGGREGATIONS}, got {self.loss_aggregation!r}"
+            )
+        if self.micro_batch_items <= 0 or self.micro_batch_tokens <= 0:
+            raise ValueError("TrainerConfig micro-batch bounds must be positive")
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    datums: int
+    trajectories: int  # trajectories of the step, datums or not
+    zero_variance_groups: int  # questions whose group got equal rewards (no learning signal)
+    loss_tokens: int  # sampled tokens the loss saw
+    tokens: int  # real tokens of all datums
+    padded_tokens: int  # tokens processed, padding included
+    micro_batches: int
+    loss: float
+    grad_norm: float
+    clip_fraction: float  # loss tokens whose ratio was clipped
+    logprob_gap: float  # mean |trainer logprob - sampler logprob| on loss tokens
+    kl_sampler_trainer: float  # k3 estimate of KL(sampler || trainer) on loss tokens
+    seconds: float
+    tokens_per_second: float
+    skipped: bool  # no datum: no optimizer step was taken
