@@ -16,7 +16,7 @@ from jobs.cold_start import read_conversations, sft_datums, sft_examples_table, 
 from jobs.protocol import ChatProtocol
 from jobs.rollout import zero_variance_groups
 from jobs.runs import checkpoint_dir, rl_base_model, sft_checkpoint, sft_folder, step_folder
-from jobs.settings import RunSettings, resolve_model
+from jobs.settings import RunSettings, SettingsError, resolve_model
 from jobs.stages import datums_from_table
 from jobs.tables import DATUMS, SFT_EXAMPLES, TRAJECTORIES, read_table
 from jobs.trainer_config import StepMetrics
@@ -24,7 +24,14 @@ from jobs.trainer_config import StepMetrics
 
 def sft_examples_stage(settings: RunSettings, protocol: ChatProtocol) -> tuple[pa.Table, int]:
     """The cold-start conversations rendered as SFT examples; how many did not fit the budgets."""
-    return sft_examples_table(read_conversations(settings.cold_start_data), protocol, settings.rollout_config())
+    table, skipped = sft_examples_table(
+        read_conversations(settings.cold_start_data), protocol, settings.rollout_config()
+    )
+    if not table.num_rows:
+        raise SettingsError(
+            f"setting cold_start_data = {settings.cold_start_data!r}: no conversation fits the run's budgets"
+        )
+    return table, skipped
 
 
 def cold_start_stage(settings: RunSettings, device: str, on_step=None) -> list[dict]:

@@ -247,11 +247,6 @@ class SFTExamples(RunTask):
 
     def run(self):
         table, skipped = sft_examples_stage(self.run_settings, protocol_for(self.run_settings))
-        if not table.num_rows:
-            raise SettingsError(
-                f"setting cold_start_data = {self.run_settings.cold_start_data!r}: no conversation fits the run's "
-                "budgets"
-            )
         self.write(table)
         self.summary += f" ({skipped} conversations over the budgets or turn limits, left out)" if skipped else ""
 
