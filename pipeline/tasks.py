@@ -233,14 +233,18 @@ class TrainStep(RunTask):
         self.summary = f"{describe_metrics(training)}\n  {metrics_stage(self.settings, self.step, training)}"
 
 
-class SFTExamples(RunTask):
-    """The cold-start conversations rendered through the rollout's protocol: sft/examples.parquet."""
+class ColdStartTask(RunTask):
+    """A stage of the run's cold start, before step 0, in runs/<run>/sft/."""
 
     step = luigi.IntParameter(default=-1, significant=False)
 
     @property
     def folder(self):
         return sft_folder(self.run_settings)
+
+
+class SFTExamples(ColdStartTask):
+    """The cold-start conversations rendered through the rollout's protocol: sft/examples.parquet."""
 
     def output(self):
         return self.target("examples.parquet")
@@ -251,15 +255,9 @@ class SFTExamples(RunTask):
         self.summary += f" ({skipped} conversations over the budgets or turn limits, left out)" if skipped else ""
 
 
-class ColdStart(RunTask):
+class ColdStart(ColdStartTask):
     """Supervised fine-tuning on the SFT examples: sft/checkpoint/ (full weights; the policy RL
     starts from) and the loss of every step in sft/losses.parquet. Resumes from sft/progress/."""
-
-    step = luigi.IntParameter(default=-1, significant=False)
-
-    @property
-    def folder(self):
-        return sft_folder(self.run_settings)
 
     def requires(self):
         return SFTExamples()
