@@ -8,37 +8,35 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, replace
 from pathlib import Path
 
 import luigi
 import pyarrow.parquet as pq
 
+from jobs.context import protocol_for, sampler_for, sandbox_for
 from jobs.models import DEFAULT_MODEL_DIR, build_default_model
 from jobs.protocol import BUNDLED_TEMPLATE, tool_call_text
 from jobs.rollout import rollout_in_memory
 from jobs.runs import step_examples
-from jobs.runtime import protocol_for, sandbox_for
 from jobs.sampling import SampleRequest, SamplingSettings, ScriptedSampler
 from jobs.sandbox import Sandbox, SandboxConfig
-from jobs.settings import RunSettings
+from jobs.settings import RunSettings, setting_fields
 
 REPO = Path(__file__).resolve().parent.parent
-SCRIPTED = RunSettings(
-    run="bench",
-    model=str(DEFAULT_MODEL_DIR),
-    device="cpu",
-    chat_template=str(BUNDLED_TEMPLATE),
-    train_data=str(REPO / "data/synthetic_eval.jsonl"),
-    questions_per_step=8,
-    group_size=4,
-    max_code_calls=2,
-    max_assistant_turns=3,
-    max_trajectory_tokens=1536,
-    max_assistant_tokens=128,
-    max_tool_response_tokens=64,
-    trainer_max_tokens=2048,
-    sandbox_workers=4,
+SCRIPTED = RunSettings().changed(
+    run={"name": "bench", "device": "cpu"},
+    model={"name": str(DEFAULT_MODEL_DIR), "chat_template": str(BUNDLED_TEMPLATE)},
+    data={"train": str(REPO / "data/synthetic_eval.jsonl"), "questions_per_step": 8},
+    rollout={
+        "group_size": 4,
+        "max_code_calls": 2,
+        "max_assistant_turns": 3,
+        "max_trajectory_tokens": 1536,
+        "max_assistant_tokens": 128,
+        "max_tool_response_tokens": 64,
+        "trainer_max_tokens": 2048,
+    },
+    sandbox={"max_workers": 4},
 )
 
 
@@ -51,7 +49,7 @@ def _policy(
 ) -> ScriptedSampler:
     """Branch g of question q calls the tool (q + g) % 3 times, then answers; a call sleeps
     slow_seconds(q, g, turn). Sampling costs seconds_per_token per generated token."""
-    protocol = protocol_for(settings)
+    protocol = protocol_for(settings.model)
 
     def script(request: SampleRequest, index: int):
         question, group, turn = request.question_index, request.group_indices[index], request.seed & 63
@@ -78,14 +76,31 @@ def tail_policy(settings: RunSettings) -> ScriptedSampler:
     return _policy(settings, lambda q, g, t: 2.0 if (q == t and (q + g) % 3 == 2) else 0.05)
 
 
-def _luigi_build(settings: RunSettings, task, workers: int = 1) -> float:
+def _luigi_build(settings: RunSettings, task: type[luigi.Task], workers: int = 1, **parameters) -> float:
+    """Runs `task` under `settings` (made after they are set: a task sets its run up when it is made)."""
     config = luigi.configuration.get_config()
-    for key, value in asdict(settings).items():
-        config.set("retool", key, str(value))
+    for name, section in settings.sections().items():
+        if not config.has_section(name):
+            config.add_section(name)
+        for field in setting_fields(name, type(section)):
+            config.set(name, field.name, str(getattr(section, field.name)))
+    luigi.task_register.Register.clear_instance_cache()
     started = time.perf_counter()
+    task = task(**parameters)
     if not luigi.build([task], local_scheduler=True, workers=workers, log_level="WARNING"):
         raise RuntimeError(f"{task} failed")
     return time.perf_counter() - started
+
+
+def _default_run_settings() -> RunSettings:
+    """The settings `make run` uses: luigi.cfg with configs/cpu.cfg on top."""
+    from pipeline.config import SECTIONS, current_settings
+
+    config = luigi.configuration.get_config()
+    for name in SECTIONS:  # what earlier benchmarks set
+        config.remove_section(name)
+    config.read([str(REPO / "luigi.cfg"), str(REPO / "configs/cpu.cfg")])
+    return current_settings()
 
 
 def bench_pipeline_vs_memory(workdir: Path) -> list[tuple[str, str]]:
@@ -93,20 +108,24 @@ def bench_pipeline_vs_memory(workdir: Path) -> list[tuple[str, str]]:
     best of three each."""
     from pipeline.tasks import ScoreTrajectories
 
-    settings = replace(SCRIPTED, runs_dir=str(workdir), sampler="scripted:bench.benchmarks:uniform_policy")
-    protocol, sandbox, examples = protocol_for(settings), sandbox_for(settings), step_examples(settings, 0, None)
+    settings = SCRIPTED.changed(
+        run={"runs_dir": str(workdir)}, sampler={"engine": "scripted:bench.benchmarks:uniform_policy"}
+    )
+    protocol, sandbox = protocol_for(settings.model), sandbox_for(settings.sandbox)
+    examples = step_examples(settings, 0, None)
     in_memory, pipeline = [], []
     for attempt in range(3):
         started = time.perf_counter()
-        rollout_in_memory(examples, uniform_policy(settings), sandbox, protocol, settings.rollout_config(), 0)
+        rollout_in_memory(examples, uniform_policy(settings), sandbox, protocol, settings.rollout, 0)
         in_memory.append(time.perf_counter() - started)
-        pipeline.append(_luigi_build(replace(settings, run=f"pipeline-{attempt}"), ScoreTrajectories(step=0)))
+        attempt_settings = settings.changed(run={"name": f"pipeline-{attempt}"})
+        pipeline.append(_luigi_build(attempt_settings, ScoreTrajectories, step=0))
     best_memory, best_pipeline = min(in_memory), min(pipeline)
     return [
         (
             "config",
-            f"{settings.questions_per_step} questions x {settings.group_size}, <= {settings.max_assistant_turns} "
-            "turns, scripted sampler 3 ms/token, real sandbox",
+            f"{settings.data.questions_per_step} questions x {settings.rollout.group_size}, <= "
+            f"{settings.rollout.max_assistant_turns} turns, scripted sampler 3 ms/token, real sandbox",
         ),
         ("in-memory rollout", f"{best_memory:.2f} s (runs: {', '.join(f'{t:.2f}' for t in in_memory)})"),
         ("Luigi/Parquet pipeline", f"{best_pipeline:.2f} s (runs: {', '.join(f'{t:.2f}' for t in pipeline)})"),
@@ -119,20 +138,18 @@ def bench_round_barrier(workdir: Path) -> list[tuple[str, str]]:
     alternating runs each, after the protocol and sandbox are loaded."""
     from pipeline.tasks import ScoreTrajectories
 
-    protocol_for(SCRIPTED), sandbox_for(SCRIPTED)
+    protocol_for(SCRIPTED.model), sandbox_for(SCRIPTED.sandbox)
     rows = []
     for name in ("tail", "uniform"):
         times: dict[int, list[float]] = {1: [], 4: []}
         for attempt in range(2):
             for shards in (1, 4):
-                settings = replace(
-                    SCRIPTED,
-                    runs_dir=str(workdir),
-                    run=f"barrier-{name}-{shards}-{attempt}",
-                    shards=shards,
-                    sampler=f"scripted:bench.benchmarks:{name}_policy",
+                settings = SCRIPTED.changed(
+                    run={"runs_dir": str(workdir), "name": f"barrier-{name}-{shards}-{attempt}"},
+                    rollout={"shards": shards},
+                    sampler={"engine": f"scripted:bench.benchmarks:{name}_policy"},
                 )
-                times[shards].append(_luigi_build(settings, ScoreTrajectories(step=0), workers=shards))
+                times[shards].append(_luigi_build(settings, ScoreTrajectories, workers=shards, step=0))
         chain, sharded = min(times[1]), min(times[4])
         rows += [
             (f"{name}: one chain", f"{chain:.2f} s"),
@@ -153,25 +170,21 @@ def bench_stage_overhead(workdir: Path) -> list[tuple[str, str]]:
     are loaded before the clock starts, once a run; loading the model is a stage's own work."""
     from jobs.metrics import stage_timings
     from jobs.runs import step_folder
-    from pipeline.config import current_settings
     from pipeline.tasks import TrainStep
 
-    config = luigi.configuration.get_config()
-    config.remove_section("retool")  # what earlier benchmarks set; then the layers make run reads
-    config.read([str(REPO / "luigi.cfg"), str(REPO / "configs/cpu.cfg")])
-    settings = replace(
-        current_settings(), runs_dir=str(workdir), run="default-step", cold_start_data=""
+    settings = _default_run_settings().changed(
+        run={"runs_dir": str(workdir), "name": "default-step"}, cold_start={"data": ""}
     )  # one RL step alone
-    protocol_for(settings), sandbox_for(settings).prewarm()
-    wall = _luigi_build(settings, TrainStep(step=0))
+    protocol_for(settings.model), sandbox_for(settings.sandbox).prewarm()
+    wall = _luigi_build(settings, TrainStep, step=0)
     timings = stage_timings(step_folder(settings, 0))
     in_runs, parquet = sum(t["seconds"] for t in timings), sum(t["parquet_seconds"] for t in timings)
     scheduling = wall - in_runs
     return [
         (
             "config",
-            f"configs/cpu.cfg step 0: {settings.questions_per_step} questions x {settings.group_size}, sampler "
-            f"{settings.sampler} (hf on a CPU), {len(timings)} tasks",
+            f"configs/cpu.cfg step 0: {settings.data.questions_per_step} questions x {settings.rollout.group_size}, "
+            f"sampler {settings.sampler.engine}, {len(timings)} tasks",
         ),
         ("step wall time", f"{wall:.2f} s"),
         ("inside task runs", f"{in_runs:.2f} s, of which Parquet reads and writes {parquet:.3f} s"),
@@ -275,21 +288,17 @@ def bench_trainer(_: Path) -> list[tuple[str, str]]:
 
 def bench_sampler(workdir: Path) -> list[tuple[str, str]]:
     """Each sampler on the default model: directly, and (hf) through the SampleRound stage."""
-    from jobs.engines import get_sampler
     from jobs.vllm_sampler import vllm_available
     from pipeline.tasks import SampleRound
 
-    settings = replace(
-        SCRIPTED,
-        runs_dir=str(workdir),
-        run="sampler",
-        model="default",
-        sampler="hf",
-        questions_per_step=2,
-        group_size=8,
-        max_assistant_tokens=32,
+    settings = SCRIPTED.changed(
+        run={"runs_dir": str(workdir), "name": "sampler"},
+        model={"name": "default"},
+        sampler={"engine": "hf"},
+        data={"questions_per_step": 2},
+        rollout={"group_size": 8, "max_assistant_tokens": 32},
     )
-    protocol = protocol_for(settings)
+    protocol = protocol_for(settings.model)
     requests = [
         SampleRequest(
             q, tuple(range(8)), tuple(protocol.build_prompt(protocol.initial_messages(e.question))), 32, seed=q
@@ -299,7 +308,7 @@ def bench_sampler(workdir: Path) -> list[tuple[str, str]]:
     rows = []
     for kind in ("hf", "vllm") if vllm_available() else ("hf",):
         loading = time.perf_counter()
-        sampler = get_sampler(replace(settings, sampler=kind))
+        sampler = sampler_for(settings.changed(sampler={"engine": kind}))
         loaded = time.perf_counter() - loading
         started = time.perf_counter()
         replies = sampler.sample(requests, SamplingSettings(stop_token_ids=protocol.stop_token_ids))
@@ -310,7 +319,7 @@ def bench_sampler(workdir: Path) -> list[tuple[str, str]]:
                 f"{tokens / (time.perf_counter() - started):.1f} tokens/s (engine start {loaded:.1f} s)",
             )
         )
-    stage_seconds = _luigi_build(settings, SampleRound(step=0, round=0))
+    stage_seconds = _luigi_build(settings, SampleRound, step=0, round=0)
     samples = sum(
         len(t)
         for t in pq.read_table(workdir / "sampler/step=0000/shard=00/round=00/samples.parquet")
@@ -331,15 +340,11 @@ def bench_learning(workdir: Path) -> list[tuple[str, str]]:
     docs/learning-curve.png."""
     from jobs.analysis import metrics_by_step
     from jobs.report import plot_learning_curve
-    from pipeline.config import current_settings
     from pipeline.tasks import BeforeAfter
 
-    config = luigi.configuration.get_config()
-    config.remove_section("retool")
-    config.read([str(REPO / "luigi.cfg"), str(REPO / "configs/cpu.cfg")])
-    settings = replace(current_settings(), runs_dir=str(workdir), run="learning")
+    settings = _default_run_settings().changed(run={"runs_dir": str(workdir), "name": "learning"})
+    wall = _luigi_build(settings, BeforeAfter, step=LEARNING_STEPS - 1, n=LEARNING_SAMPLES)
     task = BeforeAfter(step=LEARNING_STEPS - 1, n=LEARNING_SAMPLES)
-    wall = _luigi_build(settings, task)
     metrics = metrics_by_step(settings.run_dir)
     plot_learning_curve(metrics, REPO / "docs" / "learning-curve.png")
     rows = [

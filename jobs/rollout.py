@@ -64,6 +64,7 @@ class RolloutConfig:
     top_p: float = 1.0
     seed: int = 42  # base of every sampling seed (see sample_seed)
     trainer_max_tokens: int = 8192  # the trainer's context; trajectories must fit it
+    shards: int = 1  # independent chains of round files per step (the pipeline's unit of parallel work)
 
     def __post_init__(self) -> None:
         for name in (
@@ -75,6 +76,7 @@ class RolloutConfig:
             "max_tool_response_tokens",
             "min_tool_response_tokens",
             "trainer_max_tokens",
+            "shards",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -169,11 +171,15 @@ class PendingExecution:
 
 
 def start_trajectories(
-    examples: Sequence[MathExample], protocol: ChatProtocol, config: RolloutConfig
+    examples: Sequence[MathExample],
+    protocol: ChatProtocol,
+    config: RolloutConfig,
+    question_indices: Sequence[int] | None = None,
 ) -> list[Trajectory]:
-    """`group_size` independent branches per question, all waiting on the question's first prompt."""
+    """`group_size` independent branches per question, all waiting on the question's first prompt.
+    Questions are numbered in order unless `question_indices` gives their place in the step."""
     trajectories = []
-    for question_index, example in enumerate(examples):
+    for question_index, example in zip(question_indices or range(len(examples)), examples, strict=True):
         messages = protocol.initial_messages(example.question)
         prompt = protocol.build_prompt(messages)
         for group_index in range(config.group_size):

@@ -1,5 +1,6 @@
-"""Where a rollout's files live, which questions it asks and which policy it samples: a training
-step, or an evaluation of a checkpoint (its own namespace, never mixed with training files)."""
+"""The layout of a run folder: where a rollout's files live, which questions it asks and which policy
+it samples, for a training step or an evaluation of a checkpoint (its own namespace, never mixed
+with training files)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 from jobs.data import MathExample, read_examples, shuffled, take_batch
 from jobs.evaluation import EVAL_MODES
 from jobs.rollout import SEED_FIELDS
-from jobs.settings import RunSettings, SettingsError, resolve_model
+from jobs.run_setup import resolve_model
+from jobs.settings import RunSettings, SettingsError
 
 
 @dataclass(frozen=True)
@@ -45,15 +47,18 @@ def rollout_settings(settings: RunSettings, evaluation: EvalSpec | None) -> RunS
             "seed apart; split the file"
         )
     text_only = evaluation.mode == "text-only"
+    rollout = replace(
+        settings.rollout,
+        seed=settings.rollout.seed ^ 0x8000,  # evaluation draws apart from training's draws
+        group_size=evaluation.n,
+        shards=min(settings.rollout.shards, questions),
+        max_assistant_turns=1 if text_only else settings.rollout.max_assistant_turns,
+    )
     return replace(
         settings,
-        seed=settings.seed ^ 0x8000,  # evaluation draws apart from training's draws
-        train_data=evaluation.dataset,
-        questions_per_step=questions,
-        group_size=evaluation.n,
-        shards=min(settings.shards, questions),
-        use_tools=not text_only,
-        max_assistant_turns=1 if text_only else settings.max_assistant_turns,
+        data=replace(settings.data, train=evaluation.dataset, questions_per_step=questions),
+        rollout=rollout,
+        model=replace(settings.model, use_tools=not text_only),
     )
 
 
@@ -68,6 +73,10 @@ def step_folder(settings: RunSettings, step: int, evaluation: EvalSpec | None = 
         / f"{evaluation.mode}-n{evaluation.n}"
         / f"step={name}"
     )
+
+
+def round_dir(step_folder: Path, shard: int, round_index: int) -> Path:
+    return step_folder / f"shard={shard:02d}" / f"round={round_index:02d}"
 
 
 def checkpoint_dir(settings: RunSettings, step: int) -> Path:
@@ -89,17 +98,18 @@ def policy_checkpoint(settings: RunSettings, step: int, evaluation: EvalSpec | N
     source = step if evaluation is not None else step - 1
     if source >= 0:
         return checkpoint_dir(settings, source)
-    wants_sft = evaluation.sft if evaluation is not None else settings.cold_start
+    wants_sft = evaluation.sft if evaluation is not None else bool(settings.cold_start.data)
     return sft_checkpoint(settings) if wants_sft else None
 
 
 def rl_base_model(settings: RunSettings) -> Path:
     """The weights RL starts from, which LoRA adapters of its checkpoints apply to: the cold-start
     checkpoint's full weights, or the model setting."""
-    return sft_checkpoint(settings) / "model" if settings.cold_start else resolve_model(settings.model)
+    return sft_checkpoint(settings) / "model" if settings.cold_start.data else resolve_model(settings.model.name)
 
 
 def step_examples(settings: RunSettings, step: int, evaluation: EvalSpec | None) -> list[MathExample]:
     if evaluation is not None:
         return list(_examples(evaluation.dataset))
-    return take_batch(shuffled(_examples(settings.train_data), settings.data_seed), step, settings.questions_per_step)
+    data = settings.data
+    return take_batch(shuffled(_examples(data.train), data.seed), step, data.questions_per_step)

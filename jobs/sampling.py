@@ -10,6 +10,20 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 log = logging.getLogger(__name__)
+ENGINES = ("auto", "vllm", "hf")
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    # vllm | hf | auto (vllm on a GPU, hf on a CPU) | scripted:MODULE:FUNCTION (FUNCTION(settings) returns the sampler)
+    engine: str = "auto"
+
+    def __post_init__(self) -> None:
+        scripted = self.engine.startswith("scripted:") and self.engine.count(":") == 2
+        if self.engine not in ENGINES and not scripted:
+            raise ValueError(
+                f"SamplerConfig.engine must be auto, vllm, hf or scripted:MODULE:FUNCTION, got {self.engine!r}"
+            )
 
 
 @dataclass(frozen=True)

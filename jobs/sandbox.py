@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import queue
 import select
@@ -57,7 +58,7 @@ _PASSED_THROUGH = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 @dataclass(frozen=True)
 class SandboxConfig:
     timeout_seconds: float = 10.0  # wall clock for one call, children included
-    cpu_seconds: int = 10  # RLIMIT_CPU of the child
+    cpu_seconds: int = 0  # RLIMIT_CPU of the child; 0 = timeout_seconds, rounded up
     memory_mb: int = 2048  # RLIMIT_AS of the child (0 = no limit)
     file_mb: int = 64  # RLIMIT_FSIZE: caps every file the code writes, its output files included
     output_tail_bytes: int = 8192  # how much of the end of stdout and of stderr is read back
@@ -68,11 +69,16 @@ class SandboxConfig:
     python: str = sys.executable  # interpreter for the child (needs the math libraries)
 
     def __post_init__(self) -> None:
-        for name in ("timeout_seconds", "cpu_seconds", "file_mb", "output_tail_bytes", "max_workers", "max_processes"):
+        for name in ("timeout_seconds", "file_mb", "output_tail_bytes", "max_workers", "max_processes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.memory_mb < 0:
-            raise ValueError(f"SandboxConfig.memory_mb must be >= 0, got {self.memory_mb}")
+        for name in ("cpu_seconds", "memory_mb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SandboxConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def cpu_limit(self) -> int:
+        return self.cpu_seconds or math.ceil(self.timeout_seconds)
 
 
 @dataclass(frozen=True)
@@ -307,7 +313,7 @@ class Sandbox:
                 "workdir": workdir,
                 "contained": containment.namespaces,
                 "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup else None,
-                "cpu_seconds": config.cpu_seconds,
+                "cpu_seconds": config.cpu_limit,
                 "memory_bytes": config.memory_mb * 2**20,
                 "file_bytes": config.file_mb * 2**20,
                 "environment": self._environment(workdir),
@@ -469,7 +475,7 @@ def _classify(exit_code: int | None, output_limited: bool, config: SandboxConfig
     if exit_code is None:
         return "timeout", f"TimeoutError: execution exceeded the wall-clock limit of {config.timeout_seconds:g} s"
     if exit_code == -signal.SIGXCPU:
-        return "timeout", f"TimeoutError: execution exceeded the CPU limit of {config.cpu_seconds} s"
+        return "timeout", f"TimeoutError: execution exceeded the CPU limit of {config.cpu_limit} s"
     if output_limited:
         return "error", f"OutputLimitError: output exceeded {config.file_mb} MB and was cut off"
     if exit_code < 0:

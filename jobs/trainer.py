@@ -25,7 +25,7 @@ import torch.utils.checkpoint
 
 from jobs.datums import Datum
 from jobs.packing import MicroBatch, loss_token_weights, pack_micro_batches
-from jobs.trainer_config import StepMetrics, TrainerConfig
+from jobs.trainer_config import StepMetrics, TrainerConfig, resolved_dtype
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -45,7 +45,7 @@ def load_policy(base_model: Path, previous: Path | None, config: TrainerConfig, 
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    dtype = getattr(torch, config.dtype)
+    dtype = getattr(torch, resolved_dtype(config.dtype, device))
     weights = previous / "model" if previous is not None and config.lora_rank == 0 else base_model
     model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=dtype).to(device)
     model.config.use_cache = False  # training never decodes: no KV cache
@@ -368,7 +368,7 @@ def check_policy_sync(metrics: StepMetrics, config: TrainerConfig, policy: Path)
 
 
 def main() -> None:
-    from jobs.stages import datums_from_table
+    from jobs.stages.rollout import datums_from_table
     from jobs.tables import DATUMS, read_table
 
     parser = argparse.ArgumentParser(

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from jobs.packing import LOSS_AGGREGATIONS
 
 OBJECTIVES = ("ppo", "sft")
+DTYPES = ("auto", "float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -23,14 +24,14 @@ class TrainerConfig:
     clip_high: float = 0.28  # and rise to 1 + clip_high (clip-higher)
     loss_aggregation: str = "sample_mean"  # sample_mean | token_mean (see jobs.packing)
     micro_batch_items: int = 8
-    micro_batch_tokens: int = 8192  # padded tokens per micro-batch
+    micro_batch_tokens: int = 16384  # padded tokens per micro-batch
     tis_cap: float = 0.0  # truncated importance sampling cap on trainer/sampler ratio; 0 = off
     filter_zero_variance_groups: bool = False  # sample_mean over datums only, not all trajectories
-    dtype: str = "float32"  # float32 | bfloat16
-    gradient_checkpointing: bool = False  # recompute each layer's activations in the backward pass (memory for time)
+    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on a CPU) | float32 | bfloat16
+    gradient_checkpointing: bool = True  # recompute activations in the backward pass (a run does so only on CUDA)
     logprob_chunk_tokens: int = 1024  # loss tokens whose vocabulary-wide logits exist at once
     max_sampler_gap: float = 0.0  # fail a step whose mean |trainer - sampler| logprob exceeds this; 0 = no check
-    seed: int = 0
+    seed: int = 42  # initial LoRA weights
 
     def __post_init__(self) -> None:
         if self.lora_rank < 0 or self.learning_rate <= 0 or self.max_grad_norm <= 0:
@@ -46,8 +47,17 @@ class TrainerConfig:
             raise ValueError(
                 f"TrainerConfig.loss_aggregation must be one of {LOSS_AGGREGATIONS}, got {self.loss_aggregation!r}"
             )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"TrainerConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.micro_batch_items <= 0 or self.micro_batch_tokens <= 0:
             raise ValueError("TrainerConfig micro-batch bounds must be positive")
+
+
+def resolved_dtype(dtype: str, device: str) -> str:
+    """The dtype `auto` stands for on a device: bfloat16 on CUDA, float32 on a CPU."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 @dataclass(frozen=True)

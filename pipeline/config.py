@@ -1,13 +1,14 @@
-"""The [retool] section of luigi.cfg: one Luigi parameter per RunSettings field, so every setting can
-also be given on the command line as --retool-<name>."""
+"""The settings' sections as Luigi config classes: [rollout] group_size in luigi.cfg, or
+--rollout-group-size on the command line. One class per RunSettings section, one parameter per field."""
 
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from functools import lru_cache
 
 import luigi
 import luigi.cmdline_parser
 
-from jobs.settings import RunSettings
+from jobs.run_setup import FLAT_NAMES
+from jobs.settings import RunSettings, SettingsError, setting_fields
 
 _PARAMETER_TYPES = {
     bool: luigi.BoolParameter,
@@ -16,26 +17,52 @@ _PARAMETER_TYPES = {
     str: luigi.Parameter,
 }
 
-retool = type(
-    "retool",
-    (luigi.Config,),
-    {field.name: _PARAMETER_TYPES[type(field.default)](default=field.default) for field in fields(RunSettings)},
-)
+
+def _section_class(section: str, config: type) -> type:
+    parameters = {
+        f.name: _PARAMETER_TYPES[type(f.default)](default=f.default)
+        for f in setting_fields(section, config)
+        if f.default is not MISSING
+    }
+    return type(section, (luigi.Config,), {"__module__": __name__, **parameters})
+
+
+SECTIONS = {
+    f.name: (f.default_factory, _section_class(f.name, f.default_factory))
+    for f in fields(RunSettings)  # each section's dataclass is its field's default factory
+}
 
 
 def current_settings() -> RunSettings:
-    """The settings as luigi.cfg (and the command line) give them now. Resolving Luigi parameters
-    is slow and tasks ask often, so the result is cached for as long as the [retool] section and
-    the command line stay the same."""
+    """The settings as the config files and the command line give them now. Resolving Luigi
+    parameters is slow and tasks ask often, so the result is cached for as long as the sections
+    and the command line stay the same."""
     parser = luigi.configuration.get_config()
-    section = (
-        tuple(sorted(parser.items("retool", raw=True))) if parser.has_section("retool") else ()
-    )  # raw: no interpolation, much faster
-    command_line = luigi.cmdline_parser.CmdlineParser.get_instance()
-    return _settings(section, id(command_line))
+    if parser.has_section("retool"):
+        moved = [
+            f"{key} -> [{FLAT_NAMES[key][0]}] {FLAT_NAMES[key][1]}"
+            for key, _ in parser.items("retool", raw=True)
+            if key in FLAT_NAMES
+        ]
+        raise SettingsError(
+            "the [retool] section of earlier versions is now split by concern; move its settings: "
+            + ", ".join(moved or ["(none set)"])
+        )
+    sections = tuple(  # raw: no interpolation, much faster
+        tuple(sorted(parser.items(name, raw=True))) if parser.has_section(name) else () for name in SECTIONS
+    )
+    return _settings(sections, id(luigi.cmdline_parser.CmdlineParser.get_instance()))
 
 
 @lru_cache(maxsize=8)
-def _settings(section: tuple, command_line: int) -> RunSettings:
-    config = retool()
-    return RunSettings(**{field.name: getattr(config, field.name) for field in fields(RunSettings)})
+def _settings(sections: tuple, command_line: int) -> RunSettings:
+    values = {}
+    for name, (config, luigi_class) in SECTIONS.items():
+        parameters = luigi_class()
+        try:
+            values[name] = config(**{f.name: getattr(parameters, f.name) for f in setting_fields(name, config)})
+        except SettingsError:
+            raise
+        except ValueError as error:
+            raise SettingsError(f"setting [{name}]: {error}") from None
+    return RunSettings(**values)

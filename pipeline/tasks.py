@@ -6,24 +6,15 @@ from __future__ import annotations
 import luigi
 
 from jobs.cold_start import describe_cold_start, losses_table
-from jobs.engines import get_sampler
+from jobs.context import RunContext, context_for, open_run
 from jobs.evaluation import EVAL_MODES, describe_eval
 from jobs.metrics import record_stage_seconds
 from jobs.report import make_report
-from jobs.runs import EvalSpec, policy_checkpoint, rollout_settings, sft_folder, step_examples, step_folder
-from jobs.runtime import (
-    before_after_stage,
-    evaluate_stage,
-    metrics_stage,
-    prepare_run,
-    protocol_for,
-    read_round_files,
-    sandbox_for,
-)
-from jobs.settings import SettingsError
-from jobs.stages import datums_table, describe, execute_round, prompts_table, replay, sample_round, score_step
-from jobs.tables import PROMPTS, SAMPLES, TRAJECTORIES, parquet_seconds, read_table, write_table_atomically
-from jobs.training import cold_start_stage, describe_metrics, sft_examples_stage, train_stage
+from jobs.runs import EvalSpec, sft_folder
+from jobs.stages.rollout import datums_table, describe, execute_round, prompts_table, sample_round, score_step
+from jobs.stages.summary import before_after_stage, evaluate_stage, metrics_stage
+from jobs.stages.training import cold_start_stage, describe_metrics, sft_examples_stage, train_stage
+from jobs.tables import SAMPLES, TRAJECTORIES, parquet_seconds, read_table, write_table_atomically
 from pipeline.config import current_settings
 
 
@@ -39,39 +30,28 @@ class RunTask(luigi.Task):
         default=False, description="with --step -1: evaluate the cold-start checkpoint, not the base model"
     )
 
-    @property
-    def run_settings(self):
-        return current_settings()
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # The run's set-up, once: the command line builds its task here, before Luigi schedules anything or
+        # forks worker processes.
+        open_run(current_settings())
 
     @property
-    def evaluation(self) -> EvalSpec | None:
-        if self.sft and (self.step != -1 or not self.run_settings.cold_start):
-            raise SettingsError(
-                "--sft evaluates the cold-start checkpoint: it needs --step -1 and a run with cold_start_data set"
-            )
-        return EvalSpec(self.dataset, self.n, self.mode, self.sft) if self.dataset else None
-
-    @property
-    def settings(self):
-        return rollout_settings(self.run_settings, self.evaluation)
-
-    @property
-    def folder(self):
-        return step_folder(self.run_settings, self.step, self.evaluation)
+    def context(self) -> RunContext:
+        evaluation = EvalSpec(self.dataset, self.n, self.mode, self.sft) if self.dataset else None
+        return context_for(current_settings(), self.step, evaluation)
 
     def target(self, relative: str) -> luigi.LocalTarget:
-        return luigi.LocalTarget(str(self.folder / relative))
+        return luigi.LocalTarget(str(self.context.folder / relative))
 
     def complete(self) -> bool:
         """Complete only when the output exists and every input of the same step and namespace is
         complete too, so deleting one stage's output re-runs it and everything downstream. Other
         steps (the policy) count by their own output: no walk back through every earlier step."""
-        prepare_run(self.run_settings)  # validates the machine and freezes or checks config.json
-        protocol_for(self.settings)  # loaded once here, so that task processes forked by --workers K inherit it
-        inputs = luigi.task.flatten(self.requires())
+        folder = self.context.folder
         return super().complete() and all(
-            t.complete() if t.folder == self.folder else all(o.exists() for o in luigi.task.flatten(t.output()))
-            for t in inputs
+            t.complete() if t.context.folder == folder else all(o.exists() for o in luigi.task.flatten(t.output()))
+            for t in luigi.task.flatten(self.requires())
         )
 
     def label(self) -> str:
@@ -85,31 +65,14 @@ class RunTask(luigi.Task):
         write_table_atomically(table, self.output().path)  # replaces a stale output in one rename
         self.summary = describe(table)
 
-    def state(self, shard: int, rounds: int):
-        """The shard's trajectories after `rounds` complete rounds, rebuilt from the files."""
-        settings = self.settings
-        prompts = read_table(self.folder / "prompts.parquet", PROMPTS)
-        return replay(
-            prompts,
-            read_round_files(self.folder, shard, rounds),
-            protocol_for(settings),
-            settings.rollout_config(),
-            shard,
-            settings.shards,
-        )
-
     def policy_task(self) -> list[luigi.Task]:
         """The task that makes the policy this rollout samples from (none for the base model)."""
-        policy = policy_checkpoint(self.run_settings, self.step, self.evaluation)
+        policy = self.context.policy
         if policy is None:
             return []
-        if policy.parent == sft_folder(self.run_settings):
+        if policy.parent == sft_folder(self.context.run):
             return [ColdStart()]
-        return [TrainStep(step=self.step if self.evaluation else self.step - 1)]
-
-    def all_trajectories(self):
-        settings = self.settings
-        return [t for shard in range(settings.shards) for t in self.state(shard, settings.max_assistant_turns)]
+        return [TrainStep(step=self.step if self.dataset else self.step - 1)]
 
 
 @RunTask.event_handler(luigi.Event.START)
@@ -121,7 +84,11 @@ def _note_start(task: RunTask) -> None:
 def _report_stage(task: RunTask, seconds: float) -> None:
     """One line per finished stage: what it wrote, how long it took, and where."""
     record_stage_seconds(
-        task.folder, task.task_id, task.task_family, seconds, parquet_seconds() - task.parquet_seconds_at_start
+        task.context.folder,
+        task.task_id,
+        task.task_family,
+        seconds,
+        parquet_seconds() - task.parquet_seconds_at_start,
     )
     where = luigi.task.flatten(task.output())[0].path
     print(f"{task.label()}: {getattr(task, 'summary', '')}, {seconds:.1f} s -> {where}", flush=True)
@@ -132,8 +99,7 @@ class Prompts(RunTask):
         return self.target("prompts.parquet")
 
     def run(self):
-        examples = step_examples(self.run_settings, self.step, self.evaluation)
-        self.write(prompts_table(examples, protocol_for(self.settings), self.step))
+        self.write(prompts_table(self.context.examples(), self.context.protocol, self.step))
 
 
 class SampleRound(RunTask):
@@ -148,19 +114,11 @@ class SampleRound(RunTask):
         return self.target(f"shard={self.shard:02d}/round={self.round:02d}/samples.parquet")
 
     def run(self):
-        settings, policy = self.settings, policy_checkpoint(self.run_settings, self.step, self.evaluation)
-        trajectories = self.state(self.shard, self.round)
+        context = self.context
+        trajectories = context.trajectories(self.shard, self.round)
         self.set_status_message(f"sampling for {sum(not t.done for t in trajectories)} live trajectories")
-        self.write(
-            sample_round(
-                trajectories,
-                lambda: get_sampler(settings, policy),
-                protocol_for(settings),
-                settings.rollout_config(),
-                self.step,
-                self.round,
-            )
-        )
+        rollout = context.settings.rollout
+        self.write(sample_round(trajectories, context.sampler, context.protocol, rollout, self.step, self.round))
 
 
 class ExecuteRound(RunTask):
@@ -174,33 +132,27 @@ class ExecuteRound(RunTask):
         return self.target(f"shard={self.shard:02d}/round={self.round:02d}/observations.parquet")
 
     def run(self):
-        settings = self.settings
-        trajectories = self.state(self.shard, self.round)
+        context = self.context
+        trajectories = context.trajectories(self.shard, self.round)
         samples = read_table(self.input().path, SAMPLES)
         self.set_status_message(f"running the tool calls of {samples.num_rows} turns")
+        rollout = context.settings.rollout
         self.write(
-            execute_round(
-                trajectories,
-                samples,
-                sandbox_for(settings),
-                protocol_for(settings),
-                settings.rollout_config(),
-                self.step,
-                self.round,
-            )
+            execute_round(trajectories, samples, context.sandbox, context.protocol, rollout, self.step, self.round)
         )
 
 
 class ScoreTrajectories(RunTask):
     def requires(self):
-        last_round = self.settings.max_assistant_turns - 1
-        return [self.clone(ExecuteRound, round=last_round, shard=shard) for shard in range(self.settings.shards)]
+        rollout = self.context.settings.rollout
+        last_round = rollout.max_assistant_turns - 1
+        return [self.clone(ExecuteRound, round=last_round, shard=shard) for shard in range(rollout.shards)]
 
     def output(self):
         return self.target("trajectories.parquet")
 
     def run(self):
-        self.write(score_step(self.all_trajectories(), self.step))
+        self.write(score_step(self.context.all_trajectories(), self.step))
 
 
 class BuildDatums(RunTask):
@@ -212,7 +164,10 @@ class BuildDatums(RunTask):
 
     def run(self):
         scored = read_table(self.input().path, TRAJECTORIES)
-        self.write(datums_table(self.all_trajectories(), scored, self.step, self.settings.trainer_max_tokens))
+        context = self.context
+        self.write(
+            datums_table(context.all_trajectories(), scored, self.step, context.settings.rollout.trainer_max_tokens)
+        )
 
 
 class TrainStep(RunTask):
@@ -229,8 +184,10 @@ class TrainStep(RunTask):
 
     def run(self):
         self.set_status_message("training one PPO step")
-        training = train_stage(self.settings, self.step, self.settings.device)
-        self.summary = f"{describe_metrics(training)}\n  {metrics_stage(self.settings, self.step, training)}"
+        context = self.context
+        training = train_stage(context.run, self.step)
+        metrics = metrics_stage(context.folder, context.run.run_dir, self.step, training, context.sandbox)
+        self.summary = f"{describe_metrics(training)}\n  {metrics}"
 
 
 class ColdStartTask(RunTask):
@@ -239,8 +196,8 @@ class ColdStartTask(RunTask):
     step = luigi.IntParameter(default=-1, significant=False)
 
     @property
-    def folder(self):
-        return sft_folder(self.run_settings)
+    def context(self) -> RunContext:
+        return context_for(current_settings(), -1, cold_start=True)
 
 
 class SFTExamples(ColdStartTask):
@@ -250,7 +207,7 @@ class SFTExamples(ColdStartTask):
         return self.target("examples.parquet")
 
     def run(self):
-        table, skipped = sft_examples_stage(self.run_settings, protocol_for(self.run_settings))
+        table, skipped = sft_examples_stage(self.context.run, self.context.protocol)
         self.write(table)
         self.summary += f" ({skipped} conversations over the budgets or turn limits, left out)" if skipped else ""
 
@@ -266,12 +223,12 @@ class ColdStart(ColdStartTask):
         return [self.target("checkpoint/_SUCCESS"), self.target("losses.parquet")]
 
     def run(self):
-        losses = cold_start_stage(self.run_settings, self.run_settings.device, self.report_progress)
+        losses = cold_start_stage(self.context.run, self.report_progress)
         write_table_atomically(losses_table(losses), self.output()[1].path)
         self.summary = describe_cold_start(losses)
 
     def report_progress(self, row: dict) -> None:
-        steps = self.run_settings.sft_steps
+        steps = self.context.run.cold_start.steps
         line = f"cold start step {row['step'] + 1}/{steps}: loss {row['loss']:.3f}, {row['seconds']:.1f} s"
         self.set_status_message(line)
         print(line, flush=True)
@@ -291,9 +248,8 @@ class Evaluate(RunTask):
         return self.target("summary.parquet")
 
     def run(self):
-        summary = evaluate_stage(
-            read_table(self.input().path, TRAJECTORIES), self.evaluation, self.step, self.output().path
-        )
+        trajectories = read_table(self.input().path, TRAJECTORIES)
+        summary = evaluate_stage(trajectories, self.context.evaluation, self.step, self.output().path)
         self.summary = f"{self.mode} on {self.dataset}: {describe_eval(summary)}"
 
 
@@ -305,11 +261,11 @@ class Report(RunTask):
         return TrainStep(step=self.step)
 
     def output(self):
-        return luigi.LocalTarget(str(self.run_settings.run_dir / "report" / f"step={self.step:04d}" / "report.md"))
+        return luigi.LocalTarget(str(self.context.run.run_dir / "report" / f"step={self.step:04d}" / "report.md"))
 
     def run(self):
         self.summary = f"plots and summary of {self.step + 1} steps"
-        make_report(self.run_settings.run_dir, self.output().path.rsplit("/", 1)[0])
+        make_report(self.context.run.run_dir, self.output().path.rsplit("/", 1)[0])
 
 
 class BeforeAfter(RunTask):
@@ -323,7 +279,7 @@ class BeforeAfter(RunTask):
     def evaluations(self) -> list[tuple[str, Evaluate]]:
         policies = (
             [("base", -1, False)]
-            + ([("SFT", -1, True)] if self.run_settings.cold_start else [])
+            + ([("SFT", -1, True)] if self.context.run.cold_start.data else [])
             + [(f"RL step {self.step}", self.step, False)]
         )
         return [
@@ -334,14 +290,12 @@ class BeforeAfter(RunTask):
     def requires(self):
         return [task for _, task in self.evaluations()]
 
-    @property
-    def folder(self):
-        return self.evaluations()[-1][1].folder.parent
-
     def output(self):
-        return self.target(f"before_after-step={self.step:04d}.md")
+        folder = self.evaluations()[-1][1].context.folder.parent
+        return luigi.LocalTarget(str(folder / f"before_after-step={self.step:04d}.md"))
 
     def run(self):
-        evaluations = [(label, task.folder) for label, task in self.evaluations()]
-        report = self.run_settings.run_dir / "report" / f"step={self.step:04d}"
-        self.summary = "\n" + before_after_stage(self.run_settings, evaluations, self.output().path, report)
+        evaluations = [(label, task.context.folder) for label, task in self.evaluations()]
+        run_dir = self.context.run.run_dir
+        report = run_dir / "report" / f"step={self.step:04d}"
+        self.summary = "\n" + before_after_stage(run_dir, evaluations, self.output().path, report)

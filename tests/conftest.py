@@ -41,52 +41,54 @@ def hermes(tokenizer) -> ChatProtocol:
 
 
 REPO = Path(__file__).resolve().parent.parent
-# The [retool] settings of pipeline tests: the tiny model, small budgets, the transformers sampler.
+# The settings of pipeline tests, by section: the tiny model, small budgets, the transformers sampler.
 BASE = {
-    "device": "cpu",
-    "sampler": "hf",
-    "chat_template": str(BUNDLED_TEMPLATE),
-    "train_data": str(REPO / "data/synthetic_eval.jsonl"),
-    "questions_per_step": 3,
-    "group_size": 3,
-    "max_code_calls": 2,
-    "max_assistant_turns": 3,
-    "max_trajectory_tokens": 900,
-    "max_assistant_tokens": 96,
-    "max_tool_response_tokens": 48,
-    "trainer_max_tokens": 1024,
-    "sandbox_workers": 2,
-    "sandbox_timeout_seconds": 5.0,
-    "max_sampler_gap": 0.0,  # scripted policies make their logprobs up
+    "run": {"device": "cpu"},
+    "model": {"chat_template": str(BUNDLED_TEMPLATE)},
+    "data": {"train": str(REPO / "data/synthetic_eval.jsonl"), "questions_per_step": 3},
+    "rollout": {
+        "group_size": 3,
+        "max_code_calls": 2,
+        "max_assistant_turns": 3,
+        "max_trajectory_tokens": 900,
+        "max_assistant_tokens": 96,
+        "max_tool_response_tokens": 48,
+        "trainer_max_tokens": 1024,
+    },
+    "sampler": {"engine": "hf"},
+    "sandbox": {"max_workers": 2, "timeout_seconds": 5.0},
+    "trainer": {"max_sampler_gap": 0.0},  # scripted policies make their logprobs up
 }
 
 
 @pytest.fixture
 def configure(tmp_path, tiny_model_dir):
-    """Sets the [retool] section for one test (restored afterwards); returns the settings."""
+    """Sets the settings' sections for one test (restored afterwards): configure("name", rollout={...})
+    runs "name" with BASE and the given sections' values on top. Returns the settings."""
+    from pipeline.config import SECTIONS
+
     config = luigi.configuration.get_config()
-    saved = dict(config.items("retool")) if config.has_section("retool") else {}
+    saved = {name: dict(config.items(name, raw=True)) for name in SECTIONS if config.has_section(name)}
     saved_delay = config.get("scheduler", "retry_delay", "30")
     config.set("scheduler", "retry_delay", "1")  # failing tests retry quickly
 
-    def apply(**overrides):
-        if config.has_section("retool"):
-            config.remove_section("retool")
-        config.add_section("retool")
-        for key, value in {
-            **BASE,
-            "runs_dir": str(tmp_path / "runs"),
-            "model": str(tiny_model_dir),
-            **overrides,
-        }.items():
-            config.set("retool", key, str(value))
+    def set_sections(sections: dict[str, dict]) -> None:
+        for name in SECTIONS:
+            if config.has_section(name):
+                config.remove_section(name)
+            config.add_section(name)
+            for key, value in sections.get(name, {}).items():
+                config.set(name, key, str(value))
+
+    def apply(name: str, **overrides: dict):
+        fixed = {"run": {"name": name, "runs_dir": str(tmp_path / "runs")}, "model": {"name": str(tiny_model_dir)}}
+        set_sections({s: {**BASE.get(s, {}), **fixed.get(s, {}), **overrides.get(s, {})} for s in SECTIONS})
+        luigi.task_register.Register.clear_instance_cache()  # tasks set their run up when they are made
         from pipeline.config import current_settings
 
         return current_settings()
 
     yield apply
     config.set("scheduler", "retry_delay", saved_delay)
-    config.remove_section("retool")
-    config.add_section("retool")
-    for key, value in saved.items():
-        config.set("retool", key, value)
+    set_sections(saved)
+    luigi.task_register.Register.clear_instance_cache()

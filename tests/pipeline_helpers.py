@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import luigi
 
+import jobs.context
 import pipeline.tasks
 from jobs.runs import step_examples
 from pipeline import ScoreTrajectories
@@ -21,7 +22,7 @@ def tool_policy(settings, _step=None):
 
 def build(settings, step, sampler=None, monkeypatch=None):
     if sampler is not None:
-        monkeypatch.setattr(pipeline.tasks, "get_sampler", lambda settings, policy=None: sampler)
+        monkeypatch.setattr(jobs.context, "sampler_for", lambda settings, policy=None: sampler)
     return luigi.build([ScoreTrajectories(step=step)], local_scheduler=True, workers=1, log_level="WARNING")
 
 
@@ -29,9 +30,10 @@ def step_dir(settings, step):
     return settings.run_dir / f"step={step:04d}"
 
 
+# The [trainer] section of pipeline tests that train: a small LoRA, a large step.
 TRAIN = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3, "micro_batch_items": 2, "micro_batch_tokens": 4096}
 
 
 def build_train(settings, step, sampler, monkeypatch):
-    monkeypatch.setattr(pipeline.tasks, "get_sampler", lambda settings, policy=None: sampler)
+    monkeypatch.setattr(jobs.context, "sampler_for", lambda settings, policy=None: sampler)
     return luigi.build([pipeline.tasks.TrainStep(step=step)], local_scheduler=True, workers=1, log_level="WARNING")

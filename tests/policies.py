@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+from jobs.context import protocol_for
 from jobs.runs import step_examples
-from jobs.runtime import protocol_for
 from jobs.sampling import ScriptedSampler
 from tests.helpers import scripted, tool_call_text
 
 
 def branching_tools(settings):
     """Branch (q + g) % 3 runs that many tool calls, then answers; even branches correctly."""
-    protocol = protocol_for(settings)
+    protocol = protocol_for(settings.model)
 
     def choose(question, group, turn, step):
         if turn < (question + group) % 3:

@@ -13,7 +13,7 @@ from tests.pipeline_helpers import TRAIN, build, build_train, step_dir, tool_pol
 
 
 def test_truncated_parquet_in_the_run_folder_names_the_file(configure, monkeypatch, caplog):
-    settings = configure(run="truncated")
+    settings = configure("truncated")
     assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
     samples = step_dir(settings, 0) / "shard=00/round=01/samples.parquet"
     samples.write_bytes(samples.read_bytes()[:100])
@@ -51,7 +51,7 @@ def test_a_sandbox_failure_affects_only_its_call(monkeypatch):
 
 
 def test_checkpoint_without_success_marker_is_trained_again(configure, monkeypatch):
-    settings = configure(run="marker", **TRAIN)
+    settings = configure("marker", trainer=TRAIN)
     assert build_train(settings, 0, tool_policy(settings), monkeypatch)
     checkpoint = step_dir(settings, 0) / "checkpoint"
     weights = (checkpoint / "adapter/adapter_model.safetensors").read_bytes()
@@ -65,14 +65,16 @@ def test_checkpoint_without_success_marker_is_trained_again(configure, monkeypat
 def test_a_training_group_of_one_is_refused_but_an_evaluation_with_n_1_runs():
     from dataclasses import replace
 
+    from jobs.rollout import RolloutConfig
     from jobs.runs import EvalSpec, rollout_settings
-    from jobs.settings import RunSettings, SettingsError, check_training
+    from jobs.settings import DataConfig, RunSettings, SettingsError, check_training
 
     with pytest.raises(SettingsError, match="group_size = 1: training needs at least 2 samples per question"):
-        check_training(RunSettings(group_size=1))
+        check_training(RunSettings(rollout=RolloutConfig(group_size=1)))
     with pytest.raises(SettingsError, match="questions_per_step = 5000 exceeds 4096"):
-        check_training(replace(RunSettings(), questions_per_step=5000))
-    assert rollout_settings(RunSettings(), EvalSpec("data/synthetic_eval.jsonl", 1, "retool")).group_size == 1
+        check_training(replace(RunSettings(), data=DataConfig(questions_per_step=5000)))
+    evaluation = rollout_settings(RunSettings(), EvalSpec("data/synthetic_eval.jsonl", 1, "retool"))
+    assert evaluation.rollout.group_size == 1
 
 
 def test_an_evaluation_set_larger_than_the_seed_layout_names_the_file(tmp_path):
@@ -88,13 +90,13 @@ def test_an_evaluation_set_larger_than_the_seed_layout_names_the_file(tmp_path):
 
 
 def test_chat_template_arguments_must_be_a_json_object():
-    from jobs.settings import RunSettings, SettingsError
+    from jobs.settings import ModelConfig, SettingsError
 
-    assert RunSettings(chat_template_kwargs='{"reasoning_effort": "low"}').template_kwargs() == {
+    assert ModelConfig(chat_template_kwargs='{"reasoning_effort": "low"}').template_kwargs() == {
         "enable_thinking": False,
         "reasoning_effort": "low",
     }
     with pytest.raises(SettingsError, match="chat_template_kwargs is not valid JSON"):
-        RunSettings(chat_template_kwargs="{enable_thinking: true")
+        ModelConfig(chat_template_kwargs="{enable_thinking: true")
     with pytest.raises(SettingsError, match="must be a JSON object"):
-        RunSettings(chat_template_kwargs="[1]")
+        ModelConfig(chat_template_kwargs="[1]")

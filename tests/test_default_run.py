@@ -36,7 +36,7 @@ def test_the_default_run_cold_starts_updates_every_step_and_compares(tmp_path, d
         "2",
         "--dataset",
         str(heldout),
-        "--retool-runs-dir",
+        "--run-runs-dir",
         str(tmp_path / "runs"),
     ]
     result = subprocess.run(

@@ -6,9 +6,10 @@ import luigi
 import pyarrow as pa
 import pytest
 
+import jobs.context
 import pipeline.tasks
+from jobs.context import protocol_for
 from jobs.evaluation import mean_ci, pass_at_k, summarize_eval
-from jobs.runtime import protocol_for
 from jobs.sampling import ScriptedSampler
 from jobs.tables import TRAJECTORIES, table_from_rows
 from tests.helpers import scripted, tool_call_text
@@ -78,8 +79,8 @@ def test_evaluate_on_the_tiny_model(configure, monkeypatch, tmp_path, mode):
 
     dataset = tmp_path / "aime_like.jsonl"
     write_examples([MathExample(str(i), f"What is {i} + {i}?", str(2 * i), "aime") for i in range(3)], dataset)
-    settings = configure(run="eval")
-    protocol = protocol_for(settings)
+    settings = configure("eval")
+    protocol = protocol_for(settings.model)
 
     def choose(question, group, turn):
         if turn == 0 and group == 0:
@@ -87,7 +88,7 @@ def test_evaluate_on_the_tiny_model(configure, monkeypatch, tmp_path, mode):
         return f"\\boxed{{{2 * question if group < 2 else -1}}}"
 
     monkeypatch.setattr(
-        pipeline.tasks, "get_sampler", lambda s, policy=None: ScriptedSampler(scripted(protocol_for(s), choose))
+        jobs.context, "sampler_for", lambda s, policy=None: ScriptedSampler(scripted(protocol_for(s.model), choose))
     )
     task = pipeline.tasks.Evaluate(step=-1, dataset=str(dataset), n=3, mode=mode)
     assert luigi.build([task], local_scheduler=True, workers=1, log_level="WARNING")

@@ -21,24 +21,26 @@ COMMAND = ["--module", "pipeline", "TrainStep", "--step", "1"]
 
 
 def write_config(path: Path, runs: Path, model: Path, run: str) -> Path:
-    settings = {
-        **BASE,
-        "run": run,
-        "runs_dir": runs,
-        "model": model,
-        "sampler": "scripted:tests.policies:branching_tools",
-        "lora_rank": 4,
-        "lora_alpha": 8,
-        "learning_rate": 1e-3,
-        "micro_batch_items": 2,
-        "sandbox_workers": 2,
-        "cold_start_data": REPO / "data/synthetic_sft.jsonl",
-        "sft_steps": 2,
-        "sft_batch_size": 2,
-        "sft_save_every": 1,
-        "sft_lora_rank": 4,
+    overrides = {
+        "run": {"name": run, "runs_dir": runs},
+        "model": {"name": model},
+        "sampler": {"engine": "scripted:tests.policies:branching_tools"},
+        "trainer": {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3, "micro_batch_items": 2},
+        "cold_start": {
+            "data": REPO / "data/synthetic_sft.jsonl",
+            "steps": 2,
+            "batch_size": 2,
+            "save_every": 1,
+            "lora_rank": 4,
+        },
     }
-    path.write_text("[retool]\n" + "".join(f"{key} = {value}\n" for key, value in settings.items()))
+    sections = {name: {**BASE.get(name, {}), **overrides.get(name, {})} for name in {*BASE, *overrides}}
+    path.write_text(
+        "".join(
+            f"[{name}]\n" + "".join(f"{key} = {value}\n" for key, value in values.items())
+            for name, values in sections.items()
+        )
+    )
     return path
 
 

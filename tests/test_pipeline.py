@@ -12,12 +12,13 @@ import luigi
 import pyarrow as pa
 import pytest
 
+import jobs.context
 import pipeline.tasks
+from jobs.context import protocol_for, sandbox_for
 from jobs.metrics import stage_timings
 from jobs.rollout import rollout_in_memory
-from jobs.runtime import protocol_for, sandbox_for
 from jobs.sampling import ScriptedSampler
-from jobs.stages import observation_row, trajectories_table
+from jobs.stages.rollout import observation_row, trajectories_table
 from jobs.tables import OBSERVATIONS, SAMPLES, SFT_LOSSES, TRAJECTORIES, read_table, table_from_rows
 from tests.helpers import scripted
 from tests.pipeline_helpers import TRAIN, batch, build, build_train, step_dir, tool_policy
@@ -30,7 +31,7 @@ def without(table: pa.Table, column: str) -> pa.Table:
 
 
 def test_pipeline_parquet_equals_the_in_memory_rollout(configure, monkeypatch):
-    settings = configure(run="equal")
+    settings = configure("equal")
     assert build(settings, 1, tool_policy(settings, 1), monkeypatch)
 
     observations_by_round = []
@@ -44,13 +45,13 @@ def test_pipeline_parquet_equals_the_in_memory_rollout(configure, monkeypatch):
         )
         finished.update((t.question_index, t.group_index) for t in trajectories if t.done)
 
-    protocol = protocol_for(settings)
+    protocol = protocol_for(settings.model)
     trajectories = rollout_in_memory(
         batch(settings, 1),
         tool_policy(settings, 1),
-        sandbox_for(settings),
+        sandbox_for(settings.sandbox),
         protocol,
-        settings.rollout_config(),
+        settings.rollout,
         step=1,
         on_round=record,
     )
@@ -95,7 +96,7 @@ def test_pipeline_parquet_equals_the_in_memory_rollout(configure, monkeypatch):
 
 
 def test_deleting_one_output_reruns_only_it_and_downstream(configure, monkeypatch):
-    settings = configure(run="rerun")
+    settings = configure("rerun")
     assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
     folder = step_dir(settings, 0)
     files = sorted(p for p in folder.rglob("*.parquet"))
@@ -121,20 +122,21 @@ def test_deleting_one_output_reruns_only_it_and_downstream(configure, monkeypatc
         assert (without(reread, "exec_seconds") if "observations" in path.name else reread).equals(table), path
 
 
-def test_a_run_refuses_different_settings(configure, monkeypatch, caplog):
-    settings = configure(run="frozen")
+def test_a_run_refuses_different_settings(configure, monkeypatch):
+    settings = configure("frozen")
     assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
-    changed = configure(run="frozen", group_size=2, sandbox_workers=1)  # workers may differ, group size not
-    assert not build(changed, 0, tool_policy(changed, 0), monkeypatch)
-    message = caplog.text
-    assert "differing: group_size=2 (frozen: 3)" in message and "sandbox_workers" not in message.split("differing:")[1]
+    from jobs.settings import SettingsError
+
+    changed = configure("frozen", rollout={"group_size": 2}, sandbox={"max_workers": 1})  # workers may differ
+    with pytest.raises(SettingsError, match=r"differing: \[rollout\] group_size = 2 \(frozen: 3\)\. Use"):
+        build(changed, 0, tool_policy(changed, 0), monkeypatch)
     assert read_table(step_dir(settings, 0) / "trajectories.parquet", TRAJECTORIES).num_rows == 9  # nothing lost
 
 
 def test_sharded_run_equals_one_chain(configure, monkeypatch):
-    one = configure(run="one-chain")
+    one = configure("one-chain")
     assert build(one, 0, tool_policy(one, 0), monkeypatch)
-    sharded = configure(run="sharded", shards=3)
+    sharded = configure("sharded", rollout={"shards": 3})
     assert build(sharded, 0, tool_policy(sharded, 0), monkeypatch)
     assert sorted(p.name for p in step_dir(sharded, 0).glob("shard=*")) == ["shard=00", "shard=01", "shard=02"]
     assert read_table(step_dir(one, 0) / "trajectories.parquet", TRAJECTORIES).equals(
@@ -143,8 +145,8 @@ def test_sharded_run_equals_one_chain(configure, monkeypatch):
 
 
 def test_round_without_live_trajectories_writes_an_empty_file_with_the_schema(configure, monkeypatch):
-    settings = configure(run="answers")
-    answer_at_once = ScriptedSampler(scripted(protocol_for(settings), lambda q, g, t: "\\boxed{1}"))
+    settings = configure("answers")
+    answer_at_once = ScriptedSampler(scripted(protocol_for(settings.model), lambda q, g, t: "\\boxed{1}"))
     assert build(settings, 0, answer_at_once, monkeypatch)
     for name, schema in (("samples", SAMPLES), ("observations", OBSERVATIONS)):
         table = pa.parquet.read_table(step_dir(settings, 0) / f"shard=00/round=02/{name}.parquet")
@@ -152,7 +154,11 @@ def test_round_without_live_trajectories_writes_an_empty_file_with_the_schema(co
 
 
 def test_real_sampler_through_the_pipeline(configure):
-    settings = configure(run="hf", questions_per_step=1, group_size=2, max_assistant_tokens=12, max_assistant_turns=2)
+    settings = configure(
+        "hf",
+        data={"questions_per_step": 1},
+        rollout={"group_size": 2, "max_assistant_tokens": 12, "max_assistant_turns": 2},
+    )
     assert build(settings, 0)
     table = read_table(step_dir(settings, 0) / "shard=00/round=00/samples.parquet", SAMPLES)
     assert table.num_rows == 2 and all(
@@ -176,7 +182,7 @@ def run_cli(*args, env_extra=None, cwd=REPO):
 def test_gpu_configuration_on_a_cpu_machine_names_the_setting():
     result = run_cli("ScoreTrajectories", "--step", "0")
     assert result.returncode != 0
-    assert "setting device = cuda, but this machine has no GPU" in result.stderr + result.stdout
+    assert "setting [run] device = cuda, but this machine has no GPU" in result.stderr + result.stdout
 
 
 def test_missing_model_names_the_setting(tmp_path):
@@ -184,16 +190,16 @@ def test_missing_model_names_the_setting(tmp_path):
         "ScoreTrajectories",
         "--step",
         "0",
-        "--retool-device",
+        "--run-device",
         "cpu",
-        "--retool-model",
+        "--model-name",
         str(tmp_path / "nowhere"),
-        "--retool-runs-dir",
+        "--run-runs-dir",
         str(tmp_path),
     )
     assert result.returncode != 0
     assert (
-        "setting model = " in result.stderr + result.stdout
+        "setting [model] name = " in result.stderr + result.stdout
         and "neither a local folder" in result.stderr + result.stdout
     )
 
@@ -201,7 +207,7 @@ def test_missing_model_names_the_setting(tmp_path):
 def test_readme_polars_snippets_answer_their_questions(configure, monkeypatch):
     import re
 
-    settings = configure(run="readme")
+    settings = configure("readme")
     assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
     assert build(settings, 1, tool_policy(settings, 1), monkeypatch)
     readme = (REPO / "README.md").read_text()
@@ -217,9 +223,9 @@ def test_readme_polars_snippets_answer_their_questions(configure, monkeypatch):
 def test_train_step_runs_steps_in_a_chain_and_resumes_exactly(configure, monkeypatch):
     from safetensors.torch import load_file
 
-    together = configure(run="together", **TRAIN)
+    together = configure("together", trainer=TRAIN)
     assert build_train(together, 1, tool_policy(together, 0), monkeypatch)
-    apart = configure(run="apart", **TRAIN)
+    apart = configure("apart", trainer=TRAIN)
     assert build_train(apart, 0, tool_policy(apart, 0), monkeypatch)
     assert not (step_dir(apart, 1)).exists()
     assert build_train(apart, 1, tool_policy(apart, 0), monkeypatch)  # a second command
@@ -237,7 +243,7 @@ def test_train_step_runs_steps_in_a_chain_and_resumes_exactly(configure, monkeyp
 
 
 def test_datums_match_the_trajectories(configure, monkeypatch):
-    settings = configure(run="datums", **TRAIN)
+    settings = configure("datums", trainer=TRAIN)
     assert build_train(settings, 0, tool_policy(settings, 0), monkeypatch)
     trajectories = read_table(step_dir(settings, 0) / "trajectories.parquet", TRAJECTORIES).to_pylist()
     datums = pa.parquet.read_table(step_dir(settings, 0) / "datums.parquet").to_pylist()
@@ -262,7 +268,7 @@ def test_datums_match_the_trajectories(configure, monkeypatch):
 
 
 def test_train_step_writes_the_step_metrics(configure, monkeypatch):
-    settings = configure(run="metrics", **TRAIN)
+    settings = configure("metrics", trainer=TRAIN)
     assert build_train(settings, 0, tool_policy(settings, 0), monkeypatch)
     (metrics,) = pa.parquet.read_table(step_dir(settings, 0) / "metrics.parquet").to_pylist()
     trajectories = read_table(step_dir(settings, 0) / "trajectories.parquet", TRAJECTORIES).to_pylist()
@@ -307,15 +313,10 @@ def test_step_zero_samples_from_and_trains_on_top_of_the_cold_start(configure, m
     from pipeline import ColdStart, TrainStep
 
     settings = configure(
-        run="cold",
-        cold_start_data=str(REPO / "data/synthetic_sft.jsonl"),
-        sft_steps=2,
-        sft_batch_size=2,
-        sft_lora_rank=0,
-        lora_rank=4,
-        lora_alpha=8,
-        max_assistant_tokens=200,
-        max_tool_response_tokens=128,
+        "cold",
+        cold_start={"data": str(REPO / "data/synthetic_sft.jsonl"), "steps": 2, "batch_size": 2, "lora_rank": 0},
+        trainer={"lora_rank": 4, "lora_alpha": 8},
+        rollout={"max_assistant_tokens": 200, "max_tool_response_tokens": 128},
     )
     policies = []
 
@@ -323,7 +324,7 @@ def test_step_zero_samples_from_and_trains_on_top_of_the_cold_start(configure, m
         policies.append(policy)
         return tool_policy(settings)
 
-    monkeypatch.setattr(pipeline.tasks, "get_sampler", recording_sampler)
+    monkeypatch.setattr(jobs.context, "sampler_for", recording_sampler)
     assert luigi.build([TrainStep(step=1)], local_scheduler=True, workers=1, log_level="WARNING")
     assert ColdStart().complete() and read_table(settings.run_dir / "sft/losses.parquet", SFT_LOSSES).num_rows == 2
     step_zero, step_one = step_dir(settings, 0) / "checkpoint", step_dir(settings, 1) / "checkpoint"
@@ -341,7 +342,7 @@ def test_a_bad_cold_start_file_fails_once_with_its_line_and_writes_nothing(confi
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "1"}]}\n')
-    settings = configure(run="bad-cold", cold_start_data=str(bad))
+    settings = configure("bad-cold", cold_start={"data": str(bad)})
     result = luigi.build([SFTExamples()], local_scheduler=True, workers=1, log_level="WARNING", detailed_summary=True)
     assert not result.scheduling_succeeded
     assert not (settings.run_dir / "sft").exists() or not list((settings.run_dir / "sft").glob("*.parquet"))
@@ -361,8 +362,8 @@ def test_task_help_does_not_import_torch():
 def test_a_sampler_that_does_not_serve_the_policy_fails_the_step_before_saving(configure, monkeypatch):
     from jobs.trainer import PolicySyncError
 
-    settings = configure(run="out-of-sync", max_sampler_gap=1e-3, **TRAIN)  # the scripted logprobs are made up
+    settings = configure("out-of-sync", trainer={**TRAIN, "max_sampler_gap": 1e-3})  # scripted logprobs are made up
     assert not build_train(settings, 0, tool_policy(settings), monkeypatch)
     assert not (step_dir(settings, 0) / "checkpoint").exists()
     with pytest.raises(PolicySyncError, match="the sampler does not serve the trained policy"):
-        pipeline.tasks.train_stage(settings, 0, "cpu")
+        pipeline.tasks.train_stage(settings, 0)

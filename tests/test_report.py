@@ -6,6 +6,7 @@ import luigi
 import pytest
 from PIL import Image
 
+import jobs.context
 import pipeline.tasks
 from jobs.analysis import (
     eval_by_checkpoint,
@@ -16,8 +17,8 @@ from jobs.analysis import (
     tool_success_by_round,
     worst_trajectories,
 )
+from jobs.context import protocol_for
 from jobs.report import PLOTS, make_report
-from jobs.runtime import protocol_for
 from jobs.sampling import ScriptedSampler
 from tests.helpers import scripted, tool_call_text
 from tests.pipeline_helpers import TRAIN, batch
@@ -27,8 +28,8 @@ from tests.pipeline_helpers import TRAIN, batch
 def two_step_run(configure, monkeypatch):
     """Two training steps, a report, and evaluations of the base model and of step 1. Branch 1
     divides by zero, branch 2 prints, even branches answer correctly."""
-    settings = configure(run="report", **TRAIN)
-    protocol = protocol_for(settings)
+    settings = configure("report", trainer=TRAIN)
+    protocol = protocol_for(settings.model)
 
     def choose(question, group, turn, step):
         if turn == 0 and group in (1, 2):
@@ -38,12 +39,12 @@ def two_step_run(configure, monkeypatch):
         return f"\\boxed{{{answer if group % 2 == 0 else -1}}}"
 
     monkeypatch.setattr(
-        pipeline.tasks, "get_sampler", lambda s, policy=None: ScriptedSampler(scripted(protocol_for(s), choose))
+        jobs.context, "sampler_for", lambda s, policy=None: ScriptedSampler(scripted(protocol_for(s.model), choose))
     )
     tasks = [
         pipeline.tasks.Report(step=1),
-        pipeline.tasks.Evaluate(step=-1, dataset=settings.train_data, n=2),
-        pipeline.tasks.Evaluate(step=1, dataset=settings.train_data, n=2),
+        pipeline.tasks.Evaluate(step=-1, dataset=settings.data.train, n=2),
+        pipeline.tasks.Evaluate(step=1, dataset=settings.data.train, n=2),
     ]
     assert luigi.build(tasks, local_scheduler=True, workers=1, log_level="WARNING")
     return settings

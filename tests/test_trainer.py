@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from jobs.datums import Datum
 from jobs.packing import loss_token_weights, pack_micro_batches
-from jobs.stages import datums_from_table
+from jobs.stages.rollout import datums_from_table
 from jobs.tables import DATUMS, table_from_rows, write_table_atomically
 from jobs.trainer import (
     TrainerConfig,
@@ -25,7 +25,7 @@ from jobs.trainer import (
     train_step,
 )
 
-CONFIG = TrainerConfig(lora_rank=8, lora_alpha=16, learning_rate=5e-3)
+CONFIG = TrainerConfig(lora_rank=8, lora_alpha=16, learning_rate=5e-3, gradient_checkpointing=False)
 
 
 def make_datum(question, group, prompt, completion, advantage, old_logprobs, observation=(), second=()):
@@ -242,7 +242,7 @@ def pq_read(path):
 def test_the_shipped_ppo_settings_are_the_seeds_recipe():
     from jobs.settings import RunSettings
 
-    config = RunSettings().trainer_config()
+    config = RunSettings().trainer_on_device()
     assert (1 - config.clip_low, 1 + config.clip_high) == (0.8, 1.28)
     assert (config.learning_rate, config.beta1, config.beta2, config.objective) == (4e-5, 0.9, 0.95, "ppo")
 
@@ -294,7 +294,7 @@ def test_chunked_logprobs_and_checkpointing_give_the_same_loss_and_gradients(tin
         other_loss, other_gradients = step_gradients(tiny_model_dir, variant)
         assert other_loss == pytest.approx(loss, rel=1e-5, abs=1e-6)
         for name, gradient in gradients.items():
-            torch.testing.assert_close(other_gradients[name], gradient, rtol=1e-4, atol=1e-7, msg=name)
+            torch.testing.assert_close(other_gradients[name], gradient, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_bfloat16_gives_close_losses_and_gradients(tiny_model_dir):
@@ -307,20 +307,21 @@ def test_bfloat16_gives_close_losses_and_gradients(tiny_model_dir):
 
 
 def test_the_trainer_dtype_follows_the_device():
-    from jobs.settings import RunSettings
+    from jobs.settings import RunConfig, RunSettings, frozen
 
-    assert RunSettings(device="cuda").trainer_config().dtype == "bfloat16"
-    assert RunSettings(device="cuda").trainer_config().gradient_checkpointing
-    assert RunSettings(device="cpu").trainer_config().dtype == "float32"
-    assert not RunSettings(device="cpu").trainer_config().gradient_checkpointing
-    assert RunSettings(device="cpu").frozen()["trainer_dtype"] == "float32"  # runs frozen before "auto" still match
+    on_gpu, on_cpu = RunSettings(run=RunConfig(device="cuda")), RunSettings(run=RunConfig(device="cpu"))
+    assert on_gpu.trainer_on_device().dtype == "bfloat16" and on_gpu.trainer_on_device().gradient_checkpointing
+    assert on_cpu.trainer_on_device().dtype == "float32" and not on_cpu.trainer_on_device().gradient_checkpointing
+    assert frozen(on_cpu)["trainer"]["dtype"] == "float32"  # runs frozen before "auto" still match
 
 
 def test_auto_sampler_on_a_gpu_without_vllm_fails_loudly(monkeypatch):
-    import jobs.engines
-    from jobs.settings import RunSettings, SettingsError
+    import jobs.context
+    from jobs.sampling import SamplerConfig
+    from jobs.settings import RunConfig, RunSettings, SettingsError
 
-    monkeypatch.setattr(jobs.engines, "vllm_available", lambda: False)
-    with pytest.raises(SettingsError, match="sampler = auto on device = cuda needs vLLM"):
-        jobs.engines.sampler_kind(RunSettings(device="cuda"))
-    assert jobs.engines.sampler_kind(RunSettings(device="cuda", sampler="hf")) == "hf"
+    monkeypatch.setattr(jobs.context, "vllm_available", lambda: False)
+    on_gpu = RunSettings(run=RunConfig(device="cuda"))
+    with pytest.raises(SettingsError, match="engine = auto on device = cuda needs vLLM"):
+        jobs.context.sampler_kind(on_gpu)
+    assert jobs.context.sampler_kind(replace(on_gpu, sampler=SamplerConfig("hf"))) == "hf"

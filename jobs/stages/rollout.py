@@ -23,6 +23,7 @@ from jobs.rollout import (
     assign_group_advantages,
     plan_requests,
     score_trajectory,
+    start_trajectories,
 )
 from jobs.sampling import SampledSequence, Sampler, SampleRequest, sample_checked
 from jobs.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
@@ -60,25 +61,18 @@ def prompts_table(examples: Sequence[MathExample], protocol: ChatProtocol, step:
 
 
 def replay(
-    prompts: pa.Table,
-    rounds: Sequence[RoundFiles],
-    protocol: ChatProtocol,
-    config: RolloutConfig,
-    shard: int = 0,
-    shards: int = 1,
+    prompts: pa.Table, rounds: Sequence[RoundFiles], protocol: ChatProtocol, config: RolloutConfig, shard: int = 0
 ) -> list[Trajectory]:
     """The trajectories of one shard as they stand after `rounds`, rebuilt from the files alone."""
-    trajectories: list[Trajectory] = []
-    for row in prompts.to_pylist():
-        if shard_of(row["question_index"], shards) != shard:
-            continue
-        example = MathExample(row["example_id"], row["question"], row["answer"], row["data_source"])
-        messages = protocol.initial_messages(example.question)
-        for group_index in range(config.group_size):
-            trajectories.append(
-                Trajectory(
-                    example, row["question_index"], group_index, [dict(m) for m in messages], list(row["prompt_tokens"])
-                )
+    rows = [row for row in prompts.to_pylist() if shard_of(row["question_index"], config.shards) == shard]
+    examples = [MathExample(row["example_id"], row["question"], row["answer"], row["data_source"]) for row in rows]
+    trajectories = start_trajectories(examples, protocol, config, [row["question_index"] for row in rows])
+    stored = {row["question_index"]: list(row["prompt_tokens"]) for row in rows}
+    for trajectory in trajectories:
+        if trajectory.next_prompt_tokens != stored[trajectory.question_index]:
+            raise StaleInputError(
+                f"prompts.parquet: question {trajectory.question_index}'s prompt is not what the protocol renders "
+                "now; re-run its Prompts stage"
             )
     by_branch = {(t.question_index, t.group_index): t for t in trajectories}
     for files in rounds:

