@@ -3,9 +3,7 @@ Comparisons run side by side in one process and are reported as ratios; nothing 
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -76,7 +74,7 @@ def tail_policy(settings: RunSettings) -> ScriptedSampler:
     return _policy(settings, lambda q, g, t: 2.0 if (q == t and (q + g) % 3 == 2) else 0.05)
 
 
-def _luigi_build(settings: RunSettings, task: type[luigi.Task], workers: int = 1, **parameters) -> float:
+def luigi_build(settings: RunSettings, task: type[luigi.Task], workers: int = 1, **parameters) -> float:
     """Runs `task` under `settings` (made after they are set: a task sets its run up when it is made)."""
     config = luigi.configuration.get_config()
     for name, section in settings.sections().items():
@@ -92,7 +90,7 @@ def _luigi_build(settings: RunSettings, task: type[luigi.Task], workers: int = 1
     return time.perf_counter() - started
 
 
-def _default_run_settings() -> RunSettings:
+def default_run_settings() -> RunSettings:
     """The settings `make run` uses: luigi.cfg with configs/cpu.cfg on top."""
     from pipeline.config import SECTIONS, current_settings
 
@@ -119,7 +117,7 @@ def bench_pipeline_vs_memory(workdir: Path) -> list[tuple[str, str]]:
         rollout_in_memory(examples, uniform_policy(settings), sandbox, protocol, settings.rollout, 0)
         in_memory.append(time.perf_counter() - started)
         attempt_settings = settings.changed(run={"name": f"pipeline-{attempt}"})
-        pipeline.append(_luigi_build(attempt_settings, ScoreTrajectories, step=0))
+        pipeline.append(luigi_build(attempt_settings, ScoreTrajectories, step=0))
     best_memory, best_pipeline = min(in_memory), min(pipeline)
     return [
         (
@@ -149,7 +147,7 @@ def bench_round_barrier(workdir: Path) -> list[tuple[str, str]]:
                     rollout={"shards": shards},
                     sampler={"engine": f"scripted:bench.benchmarks:{name}_policy"},
                 )
-                times[shards].append(_luigi_build(settings, ScoreTrajectories, workers=shards, step=0))
+                times[shards].append(luigi_build(settings, ScoreTrajectories, workers=shards, step=0))
         chain, sharded = min(times[1]), min(times[4])
         rows += [
             (f"{name}: one chain", f"{chain:.2f} s"),
@@ -172,11 +170,11 @@ def bench_stage_overhead(workdir: Path) -> list[tuple[str, str]]:
     from jobs.runs import step_folder
     from pipeline.tasks import TrainStep
 
-    settings = _default_run_settings().changed(
+    settings = default_run_settings().changed(
         run={"runs_dir": str(workdir), "name": "default-step"}, cold_start={"data": ""}
     )  # one RL step alone
     protocol_for(settings.model), sandbox_for(settings.sandbox).prewarm()
-    wall = _luigi_build(settings, TrainStep, step=0)
+    wall = luigi_build(settings, TrainStep, step=0)
     timings = stage_timings(step_folder(settings, 0))
     in_runs, parquet = sum(t["seconds"] for t in timings), sum(t["parquet_seconds"] for t in timings)
     scheduling = wall - in_runs
@@ -319,7 +317,7 @@ def bench_sampler(workdir: Path) -> list[tuple[str, str]]:
                 f"{tokens / (time.perf_counter() - started):.1f} tokens/s (engine start {loaded:.1f} s)",
             )
         )
-    stage_seconds = _luigi_build(settings, SampleRound, step=0, round=0)
+    stage_seconds = luigi_build(settings, SampleRound, step=0, round=0)
     samples = sum(
         len(t)
         for t in pq.read_table(workdir / "sampler/step=0000/shard=00/round=00/samples.parquet")
@@ -328,75 +326,3 @@ def bench_sampler(workdir: Path) -> list[tuple[str, str]]:
     )
     rows.append(("hf through SampleRound (Prompts and scheduling included)", f"{samples / stage_seconds:.1f} tokens/s"))
     return rows
-
-
-LEARNING_STEPS = 8  # RL steps of the learning benchmark
-LEARNING_SAMPLES = 4  # evaluation samples per held-out question
-
-
-def bench_learning(workdir: Path) -> list[tuple[str, str]]:
-    """The default CPU run (configs/cpu.cfg) with more RL steps: base vs cold start (SFT) vs SFT+RL on
-    the held-out questions of data/synthetic_eval.jsonl, and the RL curve; the curve is also drawn to
-    docs/learning-curve.png."""
-    from jobs.analysis import metrics_by_step
-    from jobs.report import plot_learning_curve
-    from pipeline.tasks import BeforeAfter
-
-    settings = _default_run_settings().changed(run={"runs_dir": str(workdir), "name": "learning"})
-    wall = _luigi_build(settings, BeforeAfter, step=LEARNING_STEPS - 1, n=LEARNING_SAMPLES)
-    task = BeforeAfter(step=LEARNING_STEPS - 1, n=LEARNING_SAMPLES)
-    metrics = metrics_by_step(settings.run_dir)
-    plot_learning_curve(metrics, REPO / "docs" / "learning-curve.png")
-    rows = [
-        ("config", f"configs/cpu.cfg, {LEARNING_STEPS} RL steps, Evaluate n={LEARNING_SAMPLES} on {task.dataset}"),
-        ("wall time", f"{wall:.0f} s"),
-    ]
-    rows += [
-        (f"  {line.split('|')[1].strip()}", "|".join(line.split("|")[2:-1]).strip())
-        for line in Path(task.output().path).read_text().splitlines()
-        if line.startswith("| ") and not line.startswith("| policy")
-    ]
-    rows += [("paired", line) for line in Path(task.output().path).read_text().splitlines() if "paired" in line]
-    for row in metrics.iter_rows(named=True):
-        rows.append(
-            (
-                f"RL step {row['step']}",
-                f"reward {row['reward_mean']:+.3f}, correct {row['correct']:.3f}, degenerate groups "
-                f"{row['degenerate_group_rate']:.2f}, update {'skipped' if row['train_skipped'] else 'made'}, "
-                f"sampler gap {row['train_logprob_gap']:.1e}",
-            )
-        )
-    return rows
-
-
-BENCHMARKS = {
-    "pipeline": bench_pipeline_vs_memory,
-    "barrier": bench_round_barrier,
-    "overhead": bench_stage_overhead,
-    "sandbox": bench_sandbox,
-    "trainer": bench_trainer,
-    "sampler": bench_sampler,
-    "learning": bench_learning,
-}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("names", nargs="*", help=f"benchmarks to run, of {', '.join(BENCHMARKS)} (default: all)")
-    args = parser.parse_args()
-    unknown = [name for name in args.names if name not in BENCHMARKS]
-    if unknown:
-        parser.error(f"unknown benchmarks {unknown}; choose from {', '.join(BENCHMARKS)}")
-    build_default_model()
-    with tempfile.TemporaryDirectory(prefix="retool-bench-") as workdir:
-        for name in args.names or BENCHMARKS:
-            started = time.perf_counter()
-            rows = BENCHMARKS[name](Path(workdir))
-            print(f"\n== {name} ({time.perf_counter() - started:.0f} s)")
-            width = max(len(label) for label, _ in rows)
-            for label, value in rows:
-                print(f"  {label:<{width}}  {value}")
-
-
-if __name__ == "__main__":
-    main()

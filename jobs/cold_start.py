@@ -22,11 +22,12 @@ import pyarrow as pa
 
 from jobs.data import DataError, MathExample
 from jobs.datums import Datum, build_datum
-from jobs.protocol import TOOL_NAME, ChatProtocol, tool_call_text
+from jobs.protocol import TOOL_NAME, ChatProtocol, neutralise, tool_call_text
 from jobs.reward import last_boxed
-from jobs.rollout import RolloutConfig, Trajectory, apply_samples, finish_advance, plan_requests, start_trajectories
+from jobs.rollout import Trajectory, apply_samples, finish_advance, plan_requests, start_trajectories
+from jobs.rollout_config import RolloutConfig
 from jobs.sampling import SampledSequence
-from jobs.sandbox import ExecutionResult, neutralise
+from jobs.sandbox import ExecutionResult
 from jobs.tables import SFT_EXAMPLES, SFT_LOSSES, table_from_rows
 
 if TYPE_CHECKING:
@@ -291,7 +292,8 @@ def train_cold_start(
     """Supervised fine-tuning through the PPO trainer's own step (objective sft), resuming from the
     last resume point under `progress`. Publishes `out` with full weights (a LoRA is merged in), so
     RL starts from it as from any base model. Returns the loss of every step."""
-    from jobs.trainer import load_policy, save_checkpoint, set_seed, train_step
+    from jobs.checkpoints import save_checkpoint
+    from jobs.trainer import load_policy, set_seed, train_step
 
     if (out / "_SUCCESS").exists():  # published, but the losses table was not written yet
         return json.loads((out / "losses.json").read_text())

@@ -52,6 +52,27 @@ class HFSampler:
             return []
         return self._sample_batch(requests, settings)
 
+    def _prefill(self, prompts: list[tuple[int, ...]]):
+        """The left-padded batch of prompts through the model: its cache, the last logits, the mask and
+        each row's last position."""
+        width = max(len(prompt) for prompt in prompts)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        output = self.model(input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        return output.past_key_values, output.logits[:, -1, :].float(), mask, positions[:, -1]
+
+    def _finish_reason(self, tokens: list[int], settings: SamplingSettings, max_tokens: int, window: int) -> str | None:
+        """Why a sequence ends after its last token (a stop token or string, or its length); None: it goes on."""
+        if tokens[-1] in settings.stop_token_ids:
+            return "stop"
+        if settings.stop_strings and any(
+            stop in self.tokenizer.decode(tokens[-window:]) for stop in settings.stop_strings
+        ):
+            return "stop"
+        return "length" if len(tokens) >= max_tokens else None
+
     @torch.inference_mode()
     def _sample_batch(
         self, requests: Sequence[SampleRequest], settings: SamplingSettings
@@ -60,14 +81,7 @@ class HFSampler:
         they finish. Each request draws from its own generator seeded with its seed."""
         owners = [index for index, request in enumerate(requests) for _ in range(request.num_samples)]
         prompts = [requests[index].prompt_tokens for index in owners]
-        width = max(len(prompt) for prompt in prompts)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
-        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=self.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        output = self.model(input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        cache, logits = output.past_key_values, output.logits[:, -1, :].float()
-        positions = positions[:, -1]
+        cache, logits, mask, positions = self._prefill(prompts)
         generators = [torch.Generator(device=self.device).manual_seed(request.seed) for request in requests]
         tokens: list[list[int]] = [[] for _ in owners]
         logprobs: list[list[float]] = [[] for _ in owners]
@@ -87,18 +101,10 @@ class HFSampler:
             chosen = torch.log_softmax(logits, dim=-1).gather(1, next_tokens[:, None]).squeeze(1).tolist()
             still_alive = []
             for position, row in enumerate(alive):
-                token = int(next_tokens[position])
-                tokens[row].append(token)
+                tokens[row].append(int(next_tokens[position]))
                 logprobs[row].append(chosen[position])
-                if token in settings.stop_token_ids:
-                    finish[row] = "stop"
-                elif settings.stop_strings and any(
-                    stop in self.tokenizer.decode(tokens[row][-window:]) for stop in settings.stop_strings
-                ):
-                    finish[row] = "stop"
-                elif len(tokens[row]) >= requests[owners[row]].max_tokens:
-                    finish[row] = "length"
-                else:
+                finish[row] = self._finish_reason(tokens[row], settings, requests[owners[row]].max_tokens, window)
+                if finish[row] is None:
                     still_alive.append(position)
             progress.update(len(alive) - len(still_alive))
             if not still_alive:

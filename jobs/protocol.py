@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -150,6 +151,18 @@ def _tools_block(tool_format: str) -> str:
         f"<tools>\n{json.dumps(CODE_INTERPRETER_TOOL)}\n</tools>\n\n"
         f"To call it, reply with exactly this format, and write nothing after it:\n{call}"
     )
+
+
+ZERO_WIDTH_SPACE = "\u200b"
+
+
+def neutralise(text: str, forbidden: Sequence[str]) -> str:
+    """Breaks every occurrence of a special token or protocol tag so it reads the same but cannot
+    tokenize to the real token (a zero-width space after its first character)."""
+    for token in sorted(forbidden, key=len, reverse=True):
+        if len(token) > 1 and token in text:
+            text = text.replace(token, token[0] + ZERO_WIDTH_SPACE + token[1:])
+    return text
 
 
 class ChatProtocol:

@@ -18,10 +18,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from jobs.data import MathExample
-from jobs.protocol import ChatProtocol, parse_assistant
+from jobs.protocol import ChatProtocol, neutralise, parse_assistant
 from jobs.reward import last_boxed, score_answer
-from jobs.sampling import SampledSequence, Sampler, SampleRequest, SamplingSettings, sample_checked
-from jobs.sandbox import ExecutionResult, Sandbox, neutralise
+from jobs.rollout_config import RolloutConfig, sample_seed
+from jobs.sampling import SampledSequence, Sampler, SampleRequest, sample_checked
+from jobs.sandbox import ExecutionResult, Sandbox
 
 STOP_REASONS = (
     "answer",
@@ -34,76 +35,6 @@ STOP_REASONS = (
     "prompt_over_budget",
 )
 TRUNCATION_MARKER = "[... truncated ...]\n"
-
-# Seed layout, high bits to low: base seed | step + 1 | question | branch | turn. Every field has its
-# own bits, so two different sampling calls can never share a seed (the reference's seed + index +
-# 10000 * turn could). 16 + 20 + 12 + 9 + 6 = 63 bits, a valid seed for every engine. The step is
-# stored plus one so that step -1 (an evaluation of the base model) has a place too.
-SEED_FIELDS = (("seed", 16), ("step", 20), ("question_index", 12), ("group_index", 9), ("turn", 6))
-
-
-def sample_seed(seed: int, step: int, question_index: int, group_index: int, turn: int) -> int:
-    packed = 0
-    for (name, bits), value in zip(SEED_FIELDS, (seed, step + 1, question_index, group_index, turn), strict=True):
-        if not 0 <= value < 2**bits:
-            raise ValueError(f"{name}={value} does not fit the seed layout (0 <= {name} < {2**bits})")
-        packed = (packed << bits) | value
-    return packed
-
-
-@dataclass(frozen=True)
-class RolloutConfig:
-    group_size: int = 8  # trajectories sampled per question (the GRPO group)
-    max_code_calls: int = 4  # tool observations a trajectory may receive
-    max_assistant_turns: int = 6  # assistant generations a trajectory may have
-    max_trajectory_tokens: int = 8192  # prompt + everything appended to it
-    max_assistant_tokens: int = 1024  # tokens one assistant turn may generate
-    max_tool_response_tokens: int = 512  # tokens one tool observation may hold
-    min_tool_response_tokens: int = 16  # room kept free for an observation when a turn may call the tool
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 42  # base of every sampling seed (see sample_seed)
-    trainer_max_tokens: int = 8192  # the trainer's context; trajectories must fit it
-    shards: int = 1  # independent chains of round files per step (the pipeline's unit of parallel work)
-
-    def __post_init__(self) -> None:
-        for name in (
-            "group_size",
-            "max_code_calls",
-            "max_assistant_turns",
-            "max_trajectory_tokens",
-            "max_assistant_tokens",
-            "max_tool_response_tokens",
-            "min_tool_response_tokens",
-            "trainer_max_tokens",
-            "shards",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"RolloutConfig.{name} must be a positive integer, got {value!r}")
-        if self.max_trajectory_tokens > self.trainer_max_tokens:
-            raise ValueError(
-                f"RolloutConfig.max_trajectory_tokens={self.max_trajectory_tokens} exceeds the trainer's context "
-                f"trainer_max_tokens={self.trainer_max_tokens}: trajectories could not be trained on"
-            )
-        if self.min_tool_response_tokens > self.max_tool_response_tokens:
-            raise ValueError(
-                f"RolloutConfig.min_tool_response_tokens={self.min_tool_response_tokens} exceeds "
-                f"max_tool_response_tokens={self.max_tool_response_tokens}"
-            )
-        if not self.temperature > 0 or not 0 < self.top_p <= 1:
-            raise ValueError(
-                f"RolloutConfig needs temperature > 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}"
-            )
-        limits = {"seed": self.seed, "group_index": self.group_size - 1, "turn": self.max_assistant_turns - 1}
-        for name, bits in SEED_FIELDS:
-            if name in limits and not 0 <= limits[name] < 2**bits:
-                raise ValueError(
-                    f"RolloutConfig: {name} up to {limits[name]} does not fit the seed layout ({bits} bits)"
-                )
-
-    def sampling_settings(self, protocol: ChatProtocol) -> SamplingSettings:
-        return SamplingSettings(self.temperature, self.top_p, protocol.stop_token_ids, protocol.stop_strings)
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from jobs.data import MathExample, read_examples, shuffled, take_batch
 from jobs.evaluation import EVAL_MODES
-from jobs.rollout import SEED_FIELDS
+from jobs.rollout_config import SEED_FIELDS
 from jobs.run_setup import resolve_model
 from jobs.settings import RunSettings, SettingsError
 

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -25,34 +24,26 @@ import uuid
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from tqdm import tqdm
 
-from jobs.protocol import PROTOCOL_TAGS
+from jobs.sandbox_isolation import (
+    DIE_WITH_PARENT,
+    UNSHARE,
+    WORKDIR_PREFIX,
+    Containment,
+    ForkServer,
+    child_environment,
+    empty_cgroup,
+    kill_group,
+    probe_containment,
+)
 
 log = logging.getLogger(__name__)
 RUNNER = Path(__file__).with_name("sandbox_runner.py")
 FORK_SERVER = Path(__file__).with_name("sandbox_forkserver.py")
-# New network (no interfaces up), PID (the code sees only its own processes, and everything in it dies
-# with its first process) and mount namespaces for each call.
-UNSHARE = ("unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child")
-# The cold child dies with the process that started it (util-linux; without it, a killed pipeline can
-# leave a sleeping call behind).
-DIE_WITH_PARENT = ("setpriv", "--pdeathsig", "KILL") if shutil.which("setpriv") else ()
-WORKDIR_PREFIX = "retool-sandbox-"  # then the pid of the process that runs the call
-PIDS_CGROUP_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))
-# Names of the protocol's own wrapper tags: code output must not be able to fake them.
-_ZERO_WIDTH_SPACE = "\u200b"
-# Thread pools inside numpy/BLAS would oversubscribe the machine with parallel calls.
-_SINGLE_THREADED = {
-    name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
-}
-# Hardware workarounds for OpenBLAS on some processors; not secrets, and numpy may crash without them.
-_PASSED_THROUGH = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 
 
 @dataclass(frozen=True)
@@ -106,84 +97,6 @@ class SandboxStats:
         self.max_seconds = max(self.max_seconds, result.seconds)
 
 
-@dataclass(frozen=True)
-class Containment:
-    namespaces: bool  # network, PID and mount namespaces, read-only mounts, no capabilities
-    pids_cgroup: Path | None  # where per-call pids cgroups are made
-
-    def describe(self) -> str:
-        parts = [
-            "namespaces (no network, own PIDs, read-only filesystem but its directory, no capabilities)"
-            if self.namespaces
-            else "NO namespaces: network, other processes and the filesystem are reachable"
-        ]
-        parts.append(
-            f"pids cgroup under {self.pids_cgroup}"
-            if self.pids_cgroup
-            else "NO pids cgroup: a fork bomb is limited only by the timeout"
-        )
-        return "; ".join(parts)
-
-
-@lru_cache(maxsize=1)
-def probe_containment() -> Containment:
-    """What this machine lets the sandbox use; says loudly what it cannot."""
-    namespaces = False
-    if shutil.which("unshare") and os.geteuid() == 0:
-        namespaces = subprocess.run([*UNSHARE, "true"], capture_output=True).returncode == 0
-    pids_cgroup = None
-    if os.environ.get("RETOOL_SANDBOX_CGROUP"):  # a parent cgroup chosen by the operator (or a test's guard)
-        pids_cgroup = Path(os.environ["RETOOL_SANDBOX_CGROUP"])
-        pids_cgroup.mkdir(parents=True, exist_ok=True)
-    for root in () if pids_cgroup else PIDS_CGROUP_ROOTS:
-        # cgroup v1 mounts the pids controller on its own; v2 lists it among the enabled controllers
-        if (root / "cgroup.procs").exists() and (
-            root.name == "pids" or "pids" in _read(root / "cgroup.subtree_control").split()
-        ):
-            folder = root / "retool-sandbox"
-            try:
-                folder.mkdir(exist_ok=True)
-                pids_cgroup = folder
-                break
-            except OSError:
-                continue
-    containment = Containment(namespaces, pids_cgroup)
-    _remove_leftovers_of_ended_processes(pids_cgroup)
-    if not (namespaces and pids_cgroup):
-        log.warning("sandbox containment is partial on this machine: %s", containment.describe())
-    return containment
-
-
-def _remove_leftovers_of_ended_processes(pids_cgroup: Path | None) -> None:
-    """Working directories and cgroups are named after the process that made them; those of a
-    process that no longer runs (a killed pipeline) are removed."""
-    for workdir in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*-*"):
-        if not _is_running(workdir.name.removeprefix(WORKDIR_PREFIX).split("-")[0]):
-            shutil.rmtree(workdir, ignore_errors=True)
-    for cgroup in pids_cgroup.glob("*-*") if pids_cgroup else ():
-        if cgroup.is_dir() and not _is_running(cgroup.name.split("-")[0]):
-            _empty_cgroup(cgroup)
-
-
-def _is_running(pid: str) -> bool:
-    if not pid.isdigit():
-        return True  # not named by this module: leave it alone
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
-
-
 def _read_tail(path: Path, limit: int) -> str:
     size = path.stat().st_size
     with path.open("rb") as handle:
@@ -193,19 +106,9 @@ def _read_tail(path: Path, limit: int) -> str:
     return f"[... {size - limit} bytes truncated ...]\n{text}" if size > limit else text
 
 
-def neutralise(text: str, forbidden: Sequence[str]) -> str:
-    """Breaks every occurrence of a special token or protocol tag so it reads the same but cannot
-    tokenize to the real token (a zero-width space after its first character)."""
-    for token in sorted(forbidden, key=len, reverse=True):
-        if len(token) > 1 and token in text:
-            text = text.replace(token, token[0] + _ZERO_WIDTH_SPACE + token[1:])
-    return text
-
-
 @dataclass(eq=False)  # a resource, compared by identity
 class Sandbox:
     config: SandboxConfig = field(default_factory=SandboxConfig)
-    forbidden_strings: tuple[str, ...] = PROTOCOL_TAGS  # neutralised in every observation
     stats: SandboxStats = field(default_factory=SandboxStats)
 
     def __post_init__(self) -> None:
@@ -240,19 +143,6 @@ class Sandbox:
             self._zygote.stdin.close()
             self._zygote = None
         self._zygote_lock = threading.Lock()
-
-    def _environment(self, workdir: str) -> dict[str, str]:
-        environment = {
-            "PATH": os.defpath,
-            "HOME": workdir,
-            "TMPDIR": workdir,
-            "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8",
-            "MPLBACKEND": "Agg",
-        }
-        environment.update(_SINGLE_THREADED)
-        environment.update({name: os.environ[name] for name in _PASSED_THROUGH if name in os.environ})
-        return environment
 
     def run_code(self, code: str) -> ExecutionResult:
         """Runs one call; safe to call from many threads (at most max_workers run at once)."""
@@ -316,7 +206,7 @@ class Sandbox:
                 "cpu_seconds": config.cpu_limit,
                 "memory_bytes": config.memory_mb * 2**20,
                 "file_bytes": config.file_mb * 2**20,
-                "environment": self._environment(workdir),
+                "environment": child_environment(workdir),
             }
             settings_file = Path(workdir, ".settings.json")
             settings_file.write_text(json.dumps(settings))
@@ -327,7 +217,7 @@ class Sandbox:
                 )
             finally:
                 if cgroup:
-                    _empty_cgroup(cgroup)  # kills whatever is left, wherever it went
+                    empty_cgroup(cgroup)  # kills whatever is left, wherever it went
             seconds = time.perf_counter() - started
             exit_code = _child_status(Path(workdir, ".status"), exit_code)
             output_limited = max(out_file.stat().st_size, err_file.stat().st_size) >= config.file_mb * 2**20
@@ -357,7 +247,7 @@ class Sandbox:
                 stdout=stdout,
                 stderr=stderr,
                 cwd=workdir,
-                env=self._environment(workdir),
+                env=child_environment(workdir),
                 close_fds=True,
                 start_new_session=True,
             )
@@ -366,7 +256,7 @@ class Sandbox:
             except subprocess.TimeoutExpired:
                 return None
             finally:
-                _kill_group(child)  # also reaps children the code left running
+                kill_group(child)  # also reaps children the code left running
 
     def _run_prewarmed(self, settings_file: Path) -> int | None:
         """A child forked from a pre-warmed server, into the server's pids cgroup; after the call
@@ -381,23 +271,23 @@ class Sandbox:
             ready, _, _ = select.select([server.connection], [], [], self.config.timeout_seconds)
             timed_out = not ready
             while not ready:  # kill until the server reports the call over
-                _empty_cgroup(server.cgroup, remove=False, spare=server.pid)
+                empty_cgroup(server.cgroup, remove=False, spare=server.pid)
                 ready, _, _ = select.select([server.connection], [], [], 0.2)
             exit_code = server.receive("done")
-            _empty_cgroup(server.cgroup, remove=False, spare=server.pid)  # what the code left running
+            empty_cgroup(server.cgroup, remove=False, spare=server.pid)  # what the code left running
         except Exception:
             server.stop()
             raise
         self._servers.put(server)
         return None if timed_out else exit_code
 
-    def _start_server(self) -> "_ForkServer":
+    def _start_server(self) -> "ForkServer":
         """A server forked from the zygote for this process, in a pids cgroup of its own."""
         cgroup = self.containment.pids_cgroup / f"{os.getpid()}-server-{uuid.uuid4().hex}"
         cgroup.mkdir()
         (cgroup / "pids.max").write_text(str(self.config.max_processes + 1))  # the server, and one call
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server = _ForkServer(connection, connection.makefile("rw", encoding="utf-8", newline="\n"), 0, cgroup)
+        server = ForkServer(connection, connection.makefile("rw", encoding="utf-8", newline="\n"), 0, cgroup)
         try:
             self._connect_to_zygote(connection)
             server.send({"cgroup_procs": str(cgroup / "cgroup.procs")})
@@ -431,14 +321,14 @@ class Sandbox:
                         stdout=subprocess.PIPE,
                         stderr=subprocess.DEVNULL,
                         cwd="/",
-                        env=self._environment(tempfile.gettempdir()),
+                        env=child_environment(tempfile.gettempdir()),
                         close_fds=True,
                         start_new_session=True,
                         text=True,
                         pass_fds=(listener.fileno(),),
                     )
                 if zygote.stdout.readline() != "ready\n":
-                    _kill_group(zygote)
+                    kill_group(zygote)
                     raise RuntimeError("the sandbox zygote did not start")
                 self._zygote, self._zygote_address = zygote, address
             return self._zygote_address
@@ -460,14 +350,13 @@ class Sandbox:
             if address is not None and address != self._zygote_address:
                 return
             if self._zygote is not None:
-                _kill_group(self._zygote)
+                kill_group(self._zygote)
             self._zygote, self._zygote_address = None, None
 
     def observation(self, result: ExecutionResult) -> str:
-        """The tool message content the model sees for one call."""
+        """The text of one call's tool message, before the protocol neutralises its special tokens."""
         parts = [part.rstrip("\n") for part in (result.stdout, result.stderr) if part.strip()]
-        text = "\n".join(parts) if parts else "(no output)"
-        return neutralise(text, self.forbidden_strings)
+        return "\n".join(parts) if parts else "(no output)"
 
 
 def _classify(exit_code: int | None, output_limited: bool, config: SandboxConfig) -> tuple[str, str]:
@@ -492,34 +381,6 @@ def _child_status(status_file: Path, exit_code: int | None) -> int | None:
     return -ended["signal"] if "signal" in ended else ended["exit"]
 
 
-@dataclass
-class _ForkServer:
-    connection: socket.socket  # to a server forked from the zygote, in a network namespace of its own
-    stream: Any  # the connection as text lines
-    pid: int  # the server's
-    cgroup: Path  # holds the server and the call it runs
-
-    def forget(self) -> None:
-        """Closes this process's copy of the connection (in a forked child), leaving the server alone."""
-        self.stream.close()
-        self.connection.close()
-
-    def send(self, message: dict) -> None:
-        self.stream.write(json.dumps(message) + "\n")
-        self.stream.flush()
-
-    def receive(self, word: str) -> int:
-        """Reads the server's `WORD NUMBER` line; anything else means the server is gone."""
-        reply = self.stream.readline().split()
-        if len(reply) != 2 or reply[0] != word:
-            raise RuntimeError(f"the sandbox fork server stopped (expected {word!r}, read {reply!r})")
-        return int(reply[1])
-
-    def stop(self) -> None:
-        self.forget()
-        _empty_cgroup(self.cgroup)  # the server too
-
-
 _SANDBOXES: "weakref.WeakSet[Sandbox]" = weakref.WeakSet()
 
 
@@ -529,63 +390,3 @@ def _forget_inherited_servers() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_inherited_servers)
-
-
-def _empty_cgroup(cgroup: Path, remove: bool = True, spare: int | None = None) -> None:
-    """Kills every process in the cgroup (but `spare`), then removes it."""
-    for _ in range(100):
-        pids = [int(pid) for pid in _read(cgroup / "cgroup.procs").split() if int(pid) != spare]
-        if not pids:
-            break
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.01)
-    if not remove:
-        return
-    try:
-        cgroup.rmdir()
-    except OSError:
-        log.warning("could not remove sandbox cgroup %s", cgroup)
-
-
-def _kill_group(child: subprocess.Popen) -> None:
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    child.wait()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Run a Python file in the sandbox and print what the model would see.")
-    parser.add_argument("file", type=Path, help="Python file to run")
-    parser.add_argument("--json", action="store_true", help="print status, stdout, stderr and seconds as JSON")
-    parser.add_argument(
-        "--timeout", type=float, default=SandboxConfig.timeout_seconds, help="wall-clock limit in seconds"
-    )
-    parser.add_argument("--memory-mb", type=int, default=SandboxConfig.memory_mb, help="address-space limit in MB")
-    parser.add_argument("--tokenizer", help="model folder whose special tokens are neutralised in the output")
-    args = parser.parse_args(argv)
-    if not args.file.is_file():
-        parser.error(f"{args.file}: no such file")
-    forbidden = PROTOCOL_TAGS
-    if args.tokenizer:
-        from jobs.protocol import load_tokenizer, special_token_strings
-
-        forbidden = forbidden + special_token_strings(load_tokenizer(args.tokenizer))
-    sandbox = Sandbox(
-        SandboxConfig(timeout_seconds=args.timeout, memory_mb=args.memory_mb), forbidden_strings=forbidden
-    )
-    result = sandbox.run_code(args.file.read_text(encoding="utf-8"))
-    if args.json:
-        print(json.dumps({key: value for key, value in asdict(result).items()}, ensure_ascii=False, indent=2))
-    else:
-        print(sandbox.observation(result))
-    return 0 if result.status == "ok" else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

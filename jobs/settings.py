@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from jobs.cold_start import ColdStartConfig
-from jobs.rollout import SEED_FIELDS, RolloutConfig
+from jobs.rollout_config import SEED_FIELDS, RolloutConfig
 from jobs.sampling import SamplerConfig
 from jobs.sandbox import SandboxConfig
 from jobs.trainer_config import TrainerConfig, resolved_dtype

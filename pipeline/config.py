@@ -56,6 +56,14 @@ def current_settings() -> RunSettings:
 
 @lru_cache(maxsize=8)
 def _settings(sections: tuple, command_line: int) -> RunSettings:
+    for name, items in zip(SECTIONS, sections, strict=True):
+        known = {f.name for f in setting_fields(name, SECTIONS[name][0])}
+        unknown = sorted({key for key, _ in items} - known)
+        if unknown:
+            raise SettingsError(
+                f"unknown setting(s) {', '.join(unknown)} in section [{name}] of the config files; its settings are "
+                f"{', '.join(sorted(known))}"
+            )
     values = {}
     for name, (config, luigi_class) in SECTIONS.items():
         parameters = luigi_class()

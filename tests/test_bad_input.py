@@ -65,7 +65,7 @@ def test_checkpoint_without_success_marker_is_trained_again(configure, monkeypat
 def test_a_training_group_of_one_is_refused_but_an_evaluation_with_n_1_runs():
     from dataclasses import replace
 
-    from jobs.rollout import RolloutConfig
+    from jobs.rollout_config import RolloutConfig
     from jobs.runs import EvalSpec, rollout_settings
     from jobs.settings import DataConfig, RunSettings, SettingsError, check_training
 

@@ -23,7 +23,8 @@ from jobs.cold_start import (
 )
 from jobs.data import DataError
 from jobs.datums import trajectory_sequence
-from jobs.rollout import RolloutConfig, rollout_in_memory
+from jobs.rollout import rollout_in_memory
+from jobs.rollout_config import RolloutConfig
 from jobs.sampling import ScriptedSampler
 from jobs.sandbox import Sandbox, SandboxConfig
 from jobs.trainer import TrainerConfig

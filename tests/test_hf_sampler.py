@@ -67,7 +67,8 @@ def test_stop_tokens_and_strings_end_a_row(sampler):
 
 
 def test_sampling_from_a_lora_checkpoint_matches_the_trained_model(tiny_model_dir, tmp_path):
-    from jobs.trainer import TrainerConfig, load_policy, save_checkpoint, train_step
+    from jobs.checkpoints import save_checkpoint
+    from jobs.trainer import TrainerConfig, load_policy, train_step
     from tests.test_trainer import on_policy_datums
 
     config = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2)

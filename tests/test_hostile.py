@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs.sandbox import ExecutionResult, Sandbox, neutralise, probe_containment
+from jobs.protocol import neutralise
+from jobs.sandbox import ExecutionResult, Sandbox
+from jobs.sandbox_isolation import probe_containment
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent

@@ -8,17 +8,16 @@ from jobs.data import MathExample
 from jobs.datums import PrefixError, build_datum, trajectory_sequence
 from jobs.rollout import (
     PendingExecution,
-    RolloutConfig,
     Trajectory,
     apply_samples,
     assign_group_advantages,
     fit_tool_content,
     plan_requests,
     rollout_in_memory,
-    sample_seed,
     start_trajectories,
     turn_budget,
 )
+from jobs.rollout_config import RolloutConfig, sample_seed
 from jobs.sampling import SampledSequence, SamplerContractError, ScriptedSampler, sample_checked
 from tests.helpers import InstantSandbox, completion, scripted, tool_call_text
 

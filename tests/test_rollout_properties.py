@@ -5,7 +5,8 @@ from hypothesis import strategies as st
 
 from jobs.data import MathExample
 from jobs.datums import trajectory_sequence
-from jobs.rollout import STOP_REASONS, RolloutConfig, rollout_in_memory
+from jobs.rollout import STOP_REASONS, rollout_in_memory
+from jobs.rollout_config import RolloutConfig
 from jobs.sampling import ScriptedSampler
 from tests.helpers import InstantSandbox, completion, tool_call_text
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.sandbox import Sandbox, SandboxConfig, neutralise
+from jobs.protocol import neutralise
+from jobs.sandbox import Sandbox, SandboxConfig
 
 
 def running(marker: str) -> bool:
@@ -175,11 +176,11 @@ def test_command_line_prints_the_observation(tmp_path):
     script = tmp_path / "cell.py"
     script.write_text("x = 2 ** 10\nx")
     shown = subprocess.run(
-        [sys.executable, "-m", "jobs.sandbox", str(script)], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "jobs.sandbox_cli", str(script)], capture_output=True, text=True, check=True
     )
     assert shown.stdout == "1024\n"
     as_json = subprocess.run(
-        [sys.executable, "-m", "jobs.sandbox", str(script), "--json"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "jobs.sandbox_cli", str(script), "--json"], capture_output=True, text=True, check=True
     )
     assert json.loads(as_json.stdout)["status"] == "ok"
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from jobs.checkpoints import prune_checkpoints, save_checkpoint
 from jobs.datums import Datum
 from jobs.packing import loss_token_weights, pack_micro_batches
 from jobs.stages.rollout import datums_from_table
@@ -19,8 +20,6 @@ from jobs.trainer import (
     TrainerConfig,
     accumulate_gradients,
     load_policy,
-    prune_checkpoints,
-    save_checkpoint,
     token_logprobs,
     train_step,
 )

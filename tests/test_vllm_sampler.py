@@ -70,7 +70,8 @@ def test_stop_token_is_kept_in_the_tokens(engine):
 
 
 def test_a_lora_checkpoint_is_served_as_a_fresh_adapter(engine, tiny_model_dir, tmp_path):
-    from jobs.trainer import TrainerConfig, load_policy, save_checkpoint, train_step
+    from jobs.checkpoints import save_checkpoint
+    from jobs.trainer import TrainerConfig, load_policy, train_step
     from tests.test_trainer import on_policy_datums
 
     config = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2)
@@ -112,7 +113,8 @@ def max_gap(engine, model, request) -> float:
 def test_full_weights_and_an_adapter_over_them_are_served_exactly(engine, tiny_model_dir, tmp_path):
     """A full fine-tune (the cold start), then a LoRA trained on top of it (RL): the engine serves each
     exactly, the adapter over the weights it was trained on, not over the engine's own model."""
-    from jobs.trainer import TrainerConfig, load_policy, save_checkpoint, train_step
+    from jobs.checkpoints import save_checkpoint
+    from jobs.trainer import TrainerConfig, load_policy, train_step
     from tests.test_trainer import on_policy_datums
 
     full = TrainerConfig(lora_rank=0, learning_rate=1e-2)

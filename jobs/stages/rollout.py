@@ -15,7 +15,6 @@ from jobs.datums import Datum, build_datums, trajectory_sequence
 from jobs.protocol import ChatProtocol
 from jobs.rollout import (
     AssistantTurn,
-    RolloutConfig,
     ToolCall,
     Trajectory,
     apply_results,
@@ -25,6 +24,7 @@ from jobs.rollout import (
     score_trajectory,
     start_trajectories,
 )
+from jobs.rollout_config import RolloutConfig
 from jobs.sampling import SampledSequence, Sampler, SampleRequest, sample_checked
 from jobs.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
 

@@ -49,7 +49,8 @@ def cold_start_stage(settings: RunSettings, on_step=None) -> list[dict]:
 
 
 def train_stage(settings: RunSettings, step: int) -> StepMetrics:
-    from jobs.trainer import prune_checkpoints, train_from_files  # torch: only once a step trains
+    from jobs.checkpoints import prune_checkpoints  # torch: only once a step trains
+    from jobs.trainer import train_from_files
 
     folder = step_folder(settings, step)
     previous = checkpoint_dir(settings, step - 1) if step > 0 else None

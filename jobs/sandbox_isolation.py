@@ -1,0 +1,194 @@
+"""How the sandbox isolates a call: the namespaces and pids cgroups this machine allows, the child's
+environment, the fork-server handle, and the clean-up of what a killed call or process leaves."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# New network (no interfaces up), PID (the code sees only its own processes, and everything in it dies
+# with its first process) and mount namespaces for each call.
+UNSHARE = ("unshare", "--net", "--pid", "--fork", "--mount-proc", "--kill-child")
+
+
+# The cold child dies with the process that started it (util-linux; without it, a killed pipeline can
+# leave a sleeping call behind).
+DIE_WITH_PARENT = ("setpriv", "--pdeathsig", "KILL") if shutil.which("setpriv") else ()
+
+
+WORKDIR_PREFIX = "retool-sandbox-"  # then the pid of the process that runs the call
+
+
+PIDS_CGROUP_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))
+
+
+# Thread pools inside numpy/BLAS would oversubscribe the machine with parallel calls.
+SINGLE_THREADED = {
+    name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+}
+
+
+# Hardware workarounds for OpenBLAS on some processors; not secrets, and numpy may crash without them.
+PASSED_THROUGH = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+
+
+@dataclass(frozen=True)
+class Containment:
+    namespaces: bool  # network, PID and mount namespaces, read-only mounts, no capabilities
+    pids_cgroup: Path | None  # where per-call pids cgroups are made
+
+    def describe(self) -> str:
+        parts = [
+            "namespaces (no network, own PIDs, read-only filesystem but its directory, no capabilities)"
+            if self.namespaces
+            else "NO namespaces: network, other processes and the filesystem are reachable"
+        ]
+        parts.append(
+            f"pids cgroup under {self.pids_cgroup}"
+            if self.pids_cgroup
+            else "NO pids cgroup: a fork bomb is limited only by the timeout"
+        )
+        return "; ".join(parts)
+
+
+@lru_cache(maxsize=1)
+def probe_containment() -> Containment:
+    """What this machine lets the sandbox use; says loudly what it cannot."""
+    namespaces = False
+    if shutil.which("unshare") and os.geteuid() == 0:
+        namespaces = subprocess.run([*UNSHARE, "true"], capture_output=True).returncode == 0
+    pids_cgroup = None
+    if os.environ.get("RETOOL_SANDBOX_CGROUP"):  # a parent cgroup chosen by the operator (or a test's guard)
+        pids_cgroup = Path(os.environ["RETOOL_SANDBOX_CGROUP"])
+        pids_cgroup.mkdir(parents=True, exist_ok=True)
+    for root in () if pids_cgroup else PIDS_CGROUP_ROOTS:
+        # cgroup v1 mounts the pids controller on its own; v2 lists it among the enabled controllers
+        if (root / "cgroup.procs").exists() and (
+            root.name == "pids" or "pids" in read_text_or_empty(root / "cgroup.subtree_control").split()
+        ):
+            folder = root / "retool-sandbox"
+            try:
+                folder.mkdir(exist_ok=True)
+                pids_cgroup = folder
+                break
+            except OSError:
+                continue
+    containment = Containment(namespaces, pids_cgroup)
+    _remove_leftovers_of_ended_processes(pids_cgroup)
+    if not (namespaces and pids_cgroup):
+        log.warning("sandbox containment is partial on this machine: %s", containment.describe())
+    return containment
+
+
+def _remove_leftovers_of_ended_processes(pids_cgroup: Path | None) -> None:
+    """Working directories and cgroups are named after the process that made them; those of a
+    process that no longer runs (a killed pipeline) are removed."""
+    for workdir in Path(tempfile.gettempdir()).glob(f"{WORKDIR_PREFIX}*-*"):
+        if not _is_running(workdir.name.removeprefix(WORKDIR_PREFIX).split("-")[0]):
+            shutil.rmtree(workdir, ignore_errors=True)
+    for cgroup in pids_cgroup.glob("*-*") if pids_cgroup else ():
+        if cgroup.is_dir() and not _is_running(cgroup.name.split("-")[0]):
+            empty_cgroup(cgroup)
+
+
+def _is_running(pid: str) -> bool:
+    if not pid.isdigit():
+        return True  # not named by this module: leave it alone
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def read_text_or_empty(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+@dataclass
+class ForkServer:
+    connection: socket.socket  # to a server forked from the zygote, in a network namespace of its own
+    stream: Any  # the connection as text lines
+    pid: int  # the server's
+    cgroup: Path  # holds the server and the call it runs
+
+    def forget(self) -> None:
+        """Closes this process's copy of the connection (in a forked child), leaving the server alone."""
+        self.stream.close()
+        self.connection.close()
+
+    def send(self, message: dict) -> None:
+        self.stream.write(json.dumps(message) + "\n")
+        self.stream.flush()
+
+    def receive(self, word: str) -> int:
+        """Reads the server's `WORD NUMBER` line; anything else means the server is gone."""
+        reply = self.stream.readline().split()
+        if len(reply) != 2 or reply[0] != word:
+            raise RuntimeError(f"the sandbox fork server stopped (expected {word!r}, read {reply!r})")
+        return int(reply[1])
+
+    def stop(self) -> None:
+        self.forget()
+        empty_cgroup(self.cgroup)  # the server too
+
+
+def empty_cgroup(cgroup: Path, remove: bool = True, spare: int | None = None) -> None:
+    """Kills every process in the cgroup (but `spare`), then removes it."""
+    for _ in range(100):
+        pids = [int(pid) for pid in read_text_or_empty(cgroup / "cgroup.procs").split() if int(pid) != spare]
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+    if not remove:
+        return
+    try:
+        cgroup.rmdir()
+    except OSError:
+        log.warning("could not remove sandbox cgroup %s", cgroup)
+
+
+def kill_group(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    child.wait()
+
+
+def child_environment(workdir: str) -> dict[str, str]:
+    """The whole environment of a call: nothing of the pipeline's own leaks into the code."""
+    environment = {
+        "PATH": os.defpath,
+        "HOME": workdir,
+        "TMPDIR": workdir,
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "MPLBACKEND": "Agg",
+    }
+    environment.update(SINGLE_THREADED)
+    environment.update({name: os.environ[name] for name in PASSED_THROUGH if name in os.environ})
+    return environment

@@ -1,0 +1,98 @@
+"""Settings by section: the config files, the command line, config.json, and the code's shape."""
+
+from __future__ import annotations
+
+import ast
+import configparser
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jobs.run_setup import FLAT_NAMES, freeze
+from jobs.settings import RunConfig, RunSettings, SettingsError, frozen, setting_fields
+from pipeline.config import SECTIONS
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("path", ["luigi.cfg", "configs/cpu.cfg"])
+def test_every_shipped_setting_names_a_field_of_its_section(path):
+    parser = configparser.ConfigParser()
+    parser.read(REPO / path)
+    for name in set(parser.sections()) & set(SECTIONS):
+        known = {f.name for f in setting_fields(name, SECTIONS[name][0])}
+        assert set(parser[name]) <= known, (path, name, set(parser[name]) - known)
+
+
+def test_a_misspelt_setting_and_the_old_flat_section_are_refused(configure):
+    import luigi
+
+    configure("typo")
+    config = luigi.configuration.get_config()
+    config.set("rollout", "grop_size", "4")
+    from pipeline.config import current_settings
+
+    with pytest.raises(SettingsError, match=r"unknown setting\(s\) grop_size in section \[rollout\]"):
+        current_settings()
+    config.remove_option("rollout", "grop_size")
+    config.add_section("retool")
+    config.set("retool", "group_size", "4")
+    try:
+        with pytest.raises(SettingsError, match=r"group_size -> \[rollout\] group_size"):
+            current_settings()
+    finally:
+        config.remove_section("retool")
+
+
+def test_a_section_setting_on_the_command_line_reaches_its_use(tmp_path):
+    probe = (
+        "import luigi.cmdline_parser as c, pipeline\n"
+        "from pipeline.config import current_settings\n"
+        "with c.CmdlineParser.global_instance(['Prompts', '--step', '0', '--rollout-group-size', '5',"
+        " '--cold-start-steps', '3']):\n"
+        "    s = current_settings()\n"
+        "    print(s.rollout.group_size, s.cold_start.steps, s.run.device)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["5", "3", "cuda"], result.stderr[-2000:]
+
+
+def test_config_json_nests_by_section_and_a_flat_one_from_earlier_versions_still_matches(tmp_path):
+    settings = RunSettings().changed(run={"name": "old", "runs_dir": str(tmp_path), "device": "cpu"})
+    recorded = frozen(settings)
+    assert recorded["rollout"]["group_size"] == 8 and "name" not in recorded["run"]
+    assert recorded["trainer"]["dtype"] == "float32"  # `auto` recorded as what it chose
+    flat = {old: recorded[section][name] for old, (section, name) in FLAT_NAMES.items() if name in recorded[section]}
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "config.json").write_text(json.dumps(flat))
+    freeze(settings)  # the same settings, written flat: accepted
+    with pytest.raises(SettingsError, match=r"differing: \[rollout\] group_size = 4 \(frozen: 8\)"):
+        freeze(settings.changed(rollout={"group_size": 4}))
+    freeze(settings.changed(run={"keep_last": 9}, sandbox={"max_workers": 1}))  # operational: free to differ
+    assert json.loads((tmp_path / "old" / "config.json").read_text()) == flat  # never rewritten
+
+
+def test_a_new_run_freezes_nested_settings(tmp_path):
+    settings = RunSettings(run=RunConfig(name="new", runs_dir=str(tmp_path), device="cpu"))
+    freeze(settings)
+    assert json.loads((tmp_path / "new" / "config.json").read_text()) == frozen(settings)
+
+
+def code_files():
+    return sorted(path for folder in ("jobs", "pipeline", "bench") for path in (REPO / folder).rglob("*.py"))
+
+
+def test_modules_and_functions_stay_small():
+    """Modules of at most 400 lines and functions of at most 60 (lines of at most 120: ruff)."""
+    too_long = []
+    for path in code_files():
+        source = path.read_text()
+        if len(source.splitlines()) > 400:
+            too_long.append(f"{path.relative_to(REPO)}: {len(source.splitlines())} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:
+                too_long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}")
+    assert not too_long
