@@ -1,4 +1,4 @@
-"""Scripted policies a pipeline process can load by name (sampler = scripted:tests.policies:NAME)."""
+"""Scripted policies a pipeline process can load by name ([sampler] engine = scripted:tests.policies:NAME)."""
 
 from __future__ import annotations
 

@@ -96,3 +96,16 @@ def test_modules_and_functions_stay_small():
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:
                 too_long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}")
     assert not too_long
+
+
+def test_a_task_sets_its_run_up_when_made_and_complete_only_checks(configure):
+    from pipeline import TrainStep
+
+    settings = configure("setup")
+    config_json = settings.run_dir / "config.json"
+    task = TrainStep(step=1)
+    assert config_json.exists()  # frozen when the command's task was made
+    config_json.unlink()
+    before = sorted(settings.run_dir.rglob("*"))
+    assert not task.complete()
+    assert sorted(settings.run_dir.rglob("*")) == before  # complete() wrote nothing
