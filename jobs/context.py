@@ -121,6 +121,7 @@ def protocol_for(model: ModelConfig) -> ChatProtocol:
         chat_template=model.chat_template or None,
         tools=model.use_tools,
         template_kwargs=model.template_kwargs(),
+        system_prompt=(model.system_prompt or None) if model.use_tools else None,  # text-only: its own
     )
 
 
@@ -169,6 +170,13 @@ def sampler_for(settings: RunSettings, policy: Path | None = None) -> Sampler:
     return _engines[key]
 
 
+def release_sampler_memory() -> None:
+    """Before a training step: the process's engine gives its GPU memory back until it samples again."""
+    for engine in _engines.values():
+        if hasattr(engine, "sleep"):
+            engine.sleep()
+
+
 def _load_engine(kind: str, settings: RunSettings, model_dir: Path) -> Sampler:
     if kind == "scripted":
         module, function = settings.sampler.engine.split(":")[1:3]
@@ -181,6 +189,8 @@ def _load_engine(kind: str, settings: RunSettings, model_dir: Path) -> Sampler:
             settings.run.device,
             max_model_len=settings.rollout.max_trajectory_tokens,
             lora_rank=settings.trainer.lora_rank,
+            gpu_memory_utilization=settings.sampler.gpu_memory_utilization,
+            sleep_mode=settings.sampler.sleep_while_training,
         )
     from jobs.hf_sampler import HFSampler
 

@@ -17,12 +17,18 @@ ENGINES = ("auto", "vllm", "hf")
 class SamplerConfig:
     # vllm | hf | auto (vllm on a GPU, hf on a CPU) | scripted:MODULE:FUNCTION (FUNCTION(settings) returns the sampler)
     engine: str = "auto"
+    gpu_memory_utilization: float = 0.5  # vLLM on a GPU: the share of its memory the engine may take
+    sleep_while_training: bool = True  # vLLM on a GPU: weights to CPU and KV cache freed while a step trains
 
     def __post_init__(self) -> None:
         scripted = self.engine.startswith("scripted:") and self.engine.count(":") == 2
         if self.engine not in ENGINES and not scripted:
             raise ValueError(
                 f"SamplerConfig.engine must be auto, vllm, hf or scripted:MODULE:FUNCTION, got {self.engine!r}"
+            )
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"SamplerConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
 
 

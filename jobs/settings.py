@@ -47,6 +47,7 @@ class ModelConfig:
     use_tools: bool = True  # false: no tool is declared (a text-only run)
     enable_thinking: bool = False  # passed to the template (Qwen3 family); the seed's recipe runs without thinking
     chat_template_kwargs: str = "{}"  # JSON object of further keyword arguments for every render of the template
+    system_prompt: str = ""  # the system message of a run with the tool; "" = jobs.protocol.SYSTEM_PROMPT
 
     def __post_init__(self) -> None:
         try:

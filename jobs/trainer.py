@@ -22,6 +22,7 @@ import torch.utils.checkpoint
 
 from jobs.checkpoints import restore_rng, save_checkpoint
 from jobs.datums import Datum
+from jobs.memory_plan import check_plan, model_shape, plan_step
 from jobs.packing import MicroBatch, loss_token_weights, pack_micro_batches
 from jobs.trainer_config import StepMetrics, TrainerConfig, resolved_dtype
 
@@ -266,11 +267,20 @@ def train_from_files(
 ) -> StepMetrics:
     if previous is None:
         set_seed(config.seed)
+    if device.startswith("cuda"):
+        plan = plan_step(model_shape(base_model), config, device)
+        print(f"memory plan of the training step: {plan.describe()}", flush=True)
+        check_plan(plan, torch.cuda.mem_get_info()[0])
     model, optimizer = load_policy(base_model, previous, config, device)
-    metrics = train_step(model, optimizer, datums, config, num_trajectories, device, zero_variance_groups)
-    check_policy_sync(metrics, config, previous or base_model)
-    if _rank_and_world()[0] == 0:
-        save_checkpoint(out, model, optimizer, metrics, config, base_model)
+    try:
+        metrics = train_step(model, optimizer, datums, config, num_trajectories, device, zero_variance_groups)
+        check_policy_sync(metrics, config, previous or base_model)
+        if _rank_and_world()[0] == 0:
+            save_checkpoint(out, model, optimizer, metrics, config, base_model)
+    finally:
+        del model, optimizer
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()  # the sampler in this process gets the memory back
     return metrics
 
 

@@ -38,6 +38,7 @@ class VLLMSampler:
         max_model_len: int,
         lora_rank: int = 0,
         gpu_memory_utilization: float = 0.5,
+        sleep_mode: bool = False,
     ):
         if device == "cpu":
             for name, value in CPU_ENVIRONMENT.items():
@@ -55,7 +56,11 @@ class VLLMSampler:
                 "max_num_batched_tokens": max(max_model_len, 8192),
             }
         else:
-            options = {"dtype": "bfloat16", "gpu_memory_utilization": gpu_memory_utilization}
+            options = {
+                "dtype": "bfloat16",
+                "gpu_memory_utilization": gpu_memory_utilization,
+                "enable_sleep_mode": sleep_mode,
+            }
         if lora_rank:
             options.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
         self.device, self.options = device, dict(max_model_len=max_model_len, seed=0, **options)
@@ -63,6 +68,19 @@ class VLLMSampler:
         self.policy: Path | None = None
         self.weights = self.model_path  # the full weights the engine holds now
         self.lora_request = None  # the adapter every request is sampled with, if any
+        self.sleeping = False  # weights offloaded to CPU memory and KV cache freed (sleep mode, GPU only)
+
+    def sleep(self) -> None:
+        """Gives the GPU memory back to a training step in this process (vLLM's sleep mode, level 1:
+        weights to CPU memory, KV cache dropped); the next use wakes the engine up."""
+        if self.options.get("enable_sleep_mode") and not self.sleeping:
+            self.llm.sleep(level=1)
+            self.sleeping = True
+
+    def _wake(self) -> None:
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
 
     def use_policy(self, checkpoint: Path | None, adapter_base: Path | None = None) -> None:
         """LoRA checkpoints are served as adapters over the weights they were trained on
@@ -70,6 +88,7 @@ class VLLMSampler:
         id, so reusing one would silently serve old weights. Full weights are reloaded in place."""
         if checkpoint == self.policy:
             return
+        self._wake()
         self.lora_request = None
         if checkpoint is not None and (checkpoint / "adapter").is_dir():
             from vllm.lora.request import LoRARequest
@@ -103,6 +122,7 @@ class VLLMSampler:
     def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
         if not requests:
             return []
+        self._wake()
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

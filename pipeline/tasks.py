@@ -6,7 +6,7 @@ from __future__ import annotations
 import luigi
 
 from jobs.cold_start import describe_cold_start, losses_table
-from jobs.context import RunContext, context_for, open_run
+from jobs.context import RunContext, context_for, open_run, release_sampler_memory
 from jobs.evaluation import EVAL_MODES, describe_eval
 from jobs.metrics import record_stage_seconds
 from jobs.report import make_report
@@ -185,6 +185,7 @@ class TrainStep(RunTask):
     def run(self):
         self.set_status_message("training one PPO step")
         context = self.context
+        release_sampler_memory()  # a GPU engine of this process sleeps while the step trains
         training = train_stage(context.run, self.step)
         metrics = metrics_stage(context.folder, context.run.run_dir, self.step, training, context.sandbox)
         self.summary = f"{describe_metrics(training)}\n  {metrics}"

@@ -27,6 +27,12 @@ def test_every_shipped_setting_names_a_field_of_its_section(path):
         assert set(parser[name]) <= known, (path, name, set(parser[name]) - known)
 
 
+def test_the_shipped_config_runs_without_a_central_scheduler_and_retries_transient_failures():
+    parser = configparser.ConfigParser()
+    parser.read(REPO / "luigi.cfg")
+    assert parser["core"].getboolean("local_scheduler") and parser["scheduler"].getint("retry_count") == 2
+
+
 def test_a_misspelt_setting_and_the_old_flat_section_are_refused(configure):
     import luigi
 

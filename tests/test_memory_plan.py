@@ -1,0 +1,56 @@
+"""The memory plan's arithmetic on a known shape, and its refusal."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs.memory_plan import (
+    ALLOCATOR_MARGIN,
+    MemoryPlan,
+    MemoryPlanError,
+    ModelShape,
+    check_plan,
+    model_shape,
+    plan_step,
+)
+from jobs.trainer_config import TrainerConfig
+
+
+def test_the_shape_of_the_tiny_model_is_counted_without_loading_it(tiny_model_dir):
+    shape = model_shape(tiny_model_dir)
+    # Per layer, in + out features of q (64->64), k and v (64->32), o (64->64), gate and up (64->128), down (128->64).
+    assert shape.lora_parameters == 2 * (128 + 96 + 96 + 128 + 192 + 192 + 192)
+    assert (shape.layers, shape.hidden_size, shape.intermediate_size) == (2, 64, 128)
+    embedding = shape.vocab_size * 64  # tied with the output layer
+    per_layer = 64 * 64 * 2 + 64 * 32 * 2 + 64 * 128 * 3 + 2 * 64
+    assert shape.parameters == embedding + 2 * per_layer + 64
+
+
+def test_the_plan_adds_weights_state_activations_and_logits():
+    shape = ModelShape(
+        parameters=4_000_000_000,
+        lora_parameters=10_000_000,
+        layers=32,
+        hidden_size=2560,
+        intermediate_size=9216,
+        vocab_size=248_320,
+    )
+    config = TrainerConfig(lora_rank=32, micro_batch_tokens=8192, logprob_chunk_tokens=1024)
+    plan = plan_step(shape, config, "cuda")  # dtype auto: bfloat16
+    assert plan.weights == 8_000_000_000
+    assert plan.trainable_state == 10_000_000 * 32 * 16
+    one_layer = 2 * 8192 * 2 * (6 * 2560 + 4 * 9216)
+    assert plan.activations == 32 * 8192 * 2560 * 2 + one_layer
+    assert plan.logits == 3 * 1024 * 248_320 * 4
+    assert plan.total == int((plan.weights + plan.trainable_state + plan.activations + plan.logits) * ALLOCATOR_MARGIN)
+    without_checkpointing = plan_step(shape, TrainerConfig(gradient_checkpointing=False), "cuda")
+    assert without_checkpointing.activations == 32 * 2 * 16384 * 2 * (6 * 2560 + 4 * 9216)
+    full = plan_step(shape, TrainerConfig(lora_rank=0), "cpu")  # float32 on a CPU
+    assert full.weights == 16_000_000_000 and full.trainable_state == 3 * 16_000_000_000
+
+
+def test_a_step_that_does_not_fit_is_refused_naming_the_settings():
+    plan = MemoryPlan(weights=2**30, trainable_state=0, activations=2**30, logits=0)
+    check_plan(plan, 3 * 2**30)
+    with pytest.raises(MemoryPlanError, match="lower \\[trainer\\] micro_batch_tokens"):
+        check_plan(plan, 2 * 2**30)
