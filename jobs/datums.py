@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from jobs.rollout import Trajectory
+if TYPE_CHECKING:  # the trainer reads datums without the rollout's dependencies
+    from jobs.rollout import Trajectory
 
 
 class PrefixError(ValueError):

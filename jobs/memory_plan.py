@@ -41,11 +41,17 @@ class MemoryPlan:
 
 
 def model_shape(model_dir: Path) -> ModelShape:
-    """The shape of a model folder's architecture, counted on the meta device (no weights are read)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The shape of a model folder's architecture (no weights are read)."""
+    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(model_dir))
+    return shape_of(AutoConfig.from_pretrained(str(model_dir)))
+
+
+def shape_of(config) -> ModelShape:
+    """The shape of the causal LM a transformers config describes, counted on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     output_layer = model.get_output_embeddings()

