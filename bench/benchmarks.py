@@ -15,6 +15,7 @@ from jobs.context import protocol_for, sampler_for, sandbox_for
 from jobs.models import DEFAULT_MODEL_DIR, build_default_model
 from jobs.protocol import BUNDLED_TEMPLATE, tool_call_text
 from jobs.rollout import rollout_in_memory
+from jobs.rollout_config import seed_turn
 from jobs.runs import step_examples
 from jobs.sampling import SampleRequest, SamplingSettings, ScriptedSampler
 from jobs.sandbox import Sandbox, SandboxConfig
@@ -50,7 +51,7 @@ def _policy(
     protocol = protocol_for(settings.model)
 
     def script(request: SampleRequest, index: int):
-        question, group, turn = request.question_index, request.group_indices[index], request.seed & 63
+        question, group, turn = request.question_index, request.group_indices[index], seed_turn(request.seed)
         if turn < (question + group) % 3:
             text = _tool_call(
                 f"import time\ntime.sleep({slow_seconds(question, group, turn)})\nprint({question} * 10 + {turn})",

@@ -25,10 +25,12 @@ from jobs.runs import (
 )
 from jobs.sampling import Sampler
 from jobs.sandbox import Sandbox, SandboxConfig
+from jobs.serve import server_urls
 from jobs.settings import ModelConfig, RunSettings, SettingsError, check_training
 from jobs.stages.rollout import RoundFiles, replay
 from jobs.tables import OBSERVATIONS, PROMPTS, SAMPLES, read_table
 from jobs.vllm_sampler import vllm_available
+from jobs.vllm_server import ServerSampler
 
 
 @lru_cache(maxsize=None)
@@ -38,6 +40,8 @@ def open_run(settings: RunSettings) -> None:
     check_training(settings)
     check_machine(settings)
     freeze(settings)
+    if settings.sampler.engine == "vllm-server":
+        server_urls(settings)  # found or started before Luigi forks workers, which then share it
     protocol_for(settings.model)
     if settings.model.use_tools:
         sandbox_for(settings.sandbox).prewarm()
@@ -81,9 +85,9 @@ class RunContext:
     def examples(self) -> list[MathExample]:
         return step_examples(self.run, self.step, self.evaluation)
 
-    def sampler(self) -> Sampler:
-        """The process's engine, switched to this task's policy; loaded on first use."""
-        return sampler_for(self.run, self.policy)
+    def sampler(self, shard: int = 0) -> Sampler:
+        """The engine this process samples the shard with, switched to this task's policy; loaded on first use."""
+        return sampler_for(self.run, self.policy, shard)
 
     def round_files(self, shard: int, rounds: int) -> list[RoundFiles]:
         """The samples and observations of the first `rounds` rounds of one shard."""
@@ -138,6 +142,8 @@ def sampler_kind(settings: RunSettings) -> str:
     engine, device = settings.sampler.engine, settings.run.device
     if engine.startswith("scripted:"):
         return "scripted"
+    if engine == "vllm-server":
+        return engine
     if engine == "vllm" and not vllm_available():
         raise SettingsError(
             "setting [sampler] engine = vllm, but vllm cannot be imported here: install the vllm extra (or "
@@ -156,31 +162,47 @@ def sampler_kind(settings: RunSettings) -> str:
 _engines: dict[tuple, Sampler] = {}  # one engine per process, reused by every task it runs
 
 
-def sampler_for(settings: RunSettings, policy: Path | None = None) -> Sampler:
-    """The process's engine, switched to `policy` (a checkpoint folder; None = the base model)."""
+def sampler_for(settings: RunSettings, policy: Path | None = None, shard: int = 0) -> Sampler:
+    """The process's engine, switched to `policy` (a checkpoint folder; None = the base model); with
+    vllm-server, a client of the shard's server."""
     model_dir = resolve_model(settings.model.name)
     kind = sampler_kind(settings)
-    key = (kind, settings.sampler, str(model_dir), settings.run.device)
+    urls = server_urls(settings) if kind == "vllm-server" else [""]
+    key = (kind, settings.sampler, str(model_dir), settings.run.device, urls[shard % len(urls)])
     if key not in _engines:
         _engines.clear()  # free the old engine before loading another
-        _engines[key] = _load_engine(kind, settings, model_dir)
+        _engines[key] = _load_engine(kind, settings, model_dir, urls[shard % len(urls)])
     if hasattr(_engines[key], "use_policy"):
         adapter = policy is not None and (policy / "adapter").is_dir()
         _engines[key].use_policy(policy, rl_base_model(settings) if adapter else None)
     return _engines[key]
 
 
-def release_sampler_memory() -> None:
-    """Before a training step: the process's engine gives its GPU memory back until it samples again."""
-    for engine in _engines.values():
-        if hasattr(engine, "sleep"):
-            engine.sleep()
+def release_sampler_memory(settings: RunSettings) -> None:
+    """Before a training step: the run's servers, or this process's engine, give their GPU memory back."""
+    for engine in _samplers_holding_memory(settings):
+        engine.sleep()
 
 
-def _load_engine(kind: str, settings: RunSettings, model_dir: Path) -> Sampler:
+def reclaim_sampler_memory(settings: RunSettings) -> None:
+    """Once the step's checkpoint is written: the run's servers wake up for the next round."""
+    for engine in _samplers_holding_memory(settings):
+        if hasattr(engine, "wake"):
+            engine.wake()
+
+
+def _samplers_holding_memory(settings: RunSettings) -> list:
+    if sampler_kind(settings) == "vllm-server":
+        return [sampler_for(settings, shard=shard) for shard in range(len(server_urls(settings)))]
+    return [engine for engine in _engines.values() if hasattr(engine, "sleep")]
+
+
+def _load_engine(kind: str, settings: RunSettings, model_dir: Path, url: str) -> Sampler:
     if kind == "scripted":
         module, function = settings.sampler.engine.split(":")[1:3]
         return getattr(importlib.import_module(module), function)(settings)
+    if kind == "vllm-server":
+        return ServerSampler(url, settings.run.device, settings.sampler.request_timeout_seconds)
     if kind == "vllm":
         from jobs.vllm_sampler import VLLMSampler
 

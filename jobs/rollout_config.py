@@ -7,20 +7,36 @@ from dataclasses import dataclass
 from jobs.protocol import ChatProtocol
 from jobs.sampling import SamplingSettings
 
-# Seed layout, high bits to low: base seed | step + 1 | question | branch | turn. Every field has its
+# Seed layout, high bits to low: base seed | step + 1 | question | turn | branch. Every field has its
 # own bits, so two different sampling calls can never share a seed (the reference's seed + index +
-# 10000 * turn could). 16 + 20 + 12 + 9 + 6 = 63 bits, a valid seed for every engine. The step is
-# stored plus one so that step -1 (an evaluation of the base model) has a place too.
-SEED_FIELDS = (("seed", 16), ("step", 20), ("question_index", 12), ("group_index", 9), ("turn", 6))
+# 10000 * turn could). The branch sits lowest because vLLM seeds the n children of one request with
+# seed + i: child i of a turn's first request is then exactly branch i's seed. 16 + 20 + 12 + 6 + 9 = 63
+# bits, a valid seed for every engine. The step is stored plus one so that step -1 (an evaluation of the
+# base model) has a place too.
+SEED_FIELDS = (("seed", 16), ("step", 20), ("question_index", 12), ("turn", 6), ("group_index", 9))
 
 
 def sample_seed(seed: int, step: int, question_index: int, group_index: int, turn: int) -> int:
+    values = {
+        "seed": seed,
+        "step": step + 1,
+        "question_index": question_index,
+        "turn": turn,
+        "group_index": group_index,
+    }
     packed = 0
-    for (name, bits), value in zip(SEED_FIELDS, (seed, step + 1, question_index, group_index, turn), strict=True):
-        if not 0 <= value < 2**bits:
-            raise ValueError(f"{name}={value} does not fit the seed layout (0 <= {name} < {2**bits})")
-        packed = (packed << bits) | value
+    for name, bits in SEED_FIELDS:
+        if not 0 <= values[name] < 2**bits:
+            raise ValueError(f"{name}={values[name]} does not fit the seed layout (0 <= {name} < {2**bits})")
+        packed = (packed << bits) | values[name]
     return packed
+
+
+def seed_turn(seed: int) -> int:
+    """The turn a packed sampling seed was drawn for."""
+    names = [name for name, _ in SEED_FIELDS]
+    below = sum(bits for _, bits in SEED_FIELDS[names.index("turn") + 1 :])
+    return (seed >> below) % 2 ** dict(SEED_FIELDS)["turn"]
 
 
 @dataclass(frozen=True)

@@ -10,21 +10,30 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 log = logging.getLogger(__name__)
-ENGINES = ("auto", "vllm", "hf")
+ENGINES = ("auto", "vllm", "vllm-server", "hf")
 
 
 @dataclass(frozen=True)
 class SamplerConfig:
-    # vllm | hf | auto (vllm on a GPU, hf on a CPU) | scripted:MODULE:FUNCTION (FUNCTION(settings) returns the sampler)
+    # vllm (in-process) | vllm-server (vLLM's OpenAI-compatible server, shared by every process) | hf | auto (vllm
+    # on a GPU, hf on a CPU) | scripted:MODULE:FUNCTION (FUNCTION(settings) returns the sampler)
     engine: str = "auto"
     gpu_memory_utilization: float = 0.5  # vLLM on a GPU: the share of its memory the engine may take
     sleep_while_training: bool = True  # vLLM on a GPU: weights to CPU and KV cache freed while a step trains
+    servers: str = ""  # vllm-server: comma-separated URLs (shard s uses server s mod count); "" = the run's own
+    start_server: bool = True  # vllm-server: start one when none answers (stopped when the command ends)
+    server_port: int = 8300  # vllm-server: the port of a server started by `python -m jobs.serve` or a command
+    request_timeout_seconds: float = 600.0  # vllm-server: a call that takes longer fails (and is retried)
 
     def __post_init__(self) -> None:
         scripted = self.engine.startswith("scripted:") and self.engine.count(":") == 2
         if self.engine not in ENGINES and not scripted:
             raise ValueError(
                 f"SamplerConfig.engine must be auto, vllm, hf or scripted:MODULE:FUNCTION, got {self.engine!r}"
+            )
+        if self.request_timeout_seconds <= 0:
+            raise ValueError(
+                f"SamplerConfig.request_timeout_seconds must be positive, got {self.request_timeout_seconds}"
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(

@@ -131,6 +131,14 @@ class RunSettings:
 OPERATIONAL = {
     "run": ("name", "runs_dir", "train_processes", "keep_last", "keep_every"),
     "sandbox": ("max_workers", "python", "contain", "prewarmed"),
+    "sampler": (
+        "gpu_memory_utilization",
+        "sleep_while_training",
+        "servers",
+        "start_server",
+        "server_port",
+        "request_timeout_seconds",
+    ),
 }
 # Fields of a section's dataclass that are not settings (the code sets them).
 INTERNAL = {"trainer": ("objective",)}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import luigi
 
 from jobs.cold_start import describe_cold_start, losses_table
-from jobs.context import RunContext, context_for, open_run, release_sampler_memory
+from jobs.context import RunContext, context_for, open_run, reclaim_sampler_memory, release_sampler_memory
 from jobs.evaluation import EVAL_MODES, describe_eval
 from jobs.metrics import record_stage_seconds
 from jobs.report import make_report
@@ -118,7 +118,8 @@ class SampleRound(RunTask):
         trajectories = context.trajectories(self.shard, self.round)
         self.set_status_message(f"sampling for {sum(not t.done for t in trajectories)} live trajectories")
         rollout = context.settings.rollout
-        self.write(sample_round(trajectories, context.sampler, context.protocol, rollout, self.step, self.round))
+        sampler = lambda: context.sampler(self.shard)  # noqa: E731 (loaded only when there is something to sample)
+        self.write(sample_round(trajectories, sampler, context.protocol, rollout, self.step, self.round))
 
 
 class ExecuteRound(RunTask):
@@ -185,8 +186,9 @@ class TrainStep(RunTask):
     def run(self):
         self.set_status_message("training one PPO step")
         context = self.context
-        release_sampler_memory()  # a GPU engine of this process sleeps while the step trains
+        release_sampler_memory(context.run)  # the sampler sleeps while the step trains on the GPU
         training = train_stage(context.run, self.step)
+        reclaim_sampler_memory(context.run)
         metrics = metrics_stage(context.folder, context.run.run_dir, self.step, training, context.sandbox)
         self.summary = f"{describe_metrics(training)}\n  {metrics}"
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from jobs.protocol import ChatProtocol
 from jobs.protocol import tool_call_text as protocol_tool_call_text
+from jobs.rollout_config import seed_turn
 from jobs.sandbox import ExecutionResult, SandboxStats
 
 
@@ -44,8 +45,8 @@ class InstantSandbox:
 
 
 def turn_of(request) -> int:
-    """The turn number a request samples (the low bits of its seed, see jobs.rollout.sample_seed)."""
-    return request.seed & 63
+    """The turn number a request samples (packed in its seed, see jobs.rollout_config.sample_seed)."""
+    return seed_turn(request.seed)
 
 
 def step_of(request) -> int:

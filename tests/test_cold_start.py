@@ -24,7 +24,7 @@ from jobs.cold_start import (
 from jobs.data import DataError
 from jobs.datums import trajectory_sequence
 from jobs.rollout import rollout_in_memory
-from jobs.rollout_config import RolloutConfig
+from jobs.rollout_config import RolloutConfig, seed_turn
 from jobs.sampling import ScriptedSampler
 from jobs.sandbox import Sandbox, SandboxConfig
 from jobs.trainer import TrainerConfig
@@ -67,7 +67,7 @@ def test_an_sft_sequence_is_what_a_rollout_with_the_same_turns_produces(conversa
         for conversation in conversations:
 
             def script(request, index, turns=conversation.turns):
-                turn = turns[request.seed & 63]
+                turn = turns[seed_turn(request.seed)]
                 tokens = protocol.encode(assistant_text(turn, protocol.tool_format)) + (
                     [protocol.end_of_turn_token] if turn.code is None else []
                 )

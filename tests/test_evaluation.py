@@ -88,7 +88,9 @@ def test_evaluate_on_the_tiny_model(configure, monkeypatch, tmp_path, mode):
         return f"\\boxed{{{2 * question if group < 2 else -1}}}"
 
     monkeypatch.setattr(
-        jobs.context, "sampler_for", lambda s, policy=None: ScriptedSampler(scripted(protocol_for(s.model), choose))
+        jobs.context,
+        "sampler_for",
+        lambda s, policy=None, shard=0: ScriptedSampler(scripted(protocol_for(s.model), choose)),
     )
     task = pipeline.tasks.Evaluate(step=-1, dataset=str(dataset), n=3, mode=mode)
     assert luigi.build([task], local_scheduler=True, workers=1, log_level="WARNING")

@@ -320,7 +320,7 @@ def test_step_zero_samples_from_and_trains_on_top_of_the_cold_start(configure, m
     )
     policies = []
 
-    def recording_sampler(settings, policy=None):
+    def recording_sampler(settings, policy=None, shard=0):
         policies.append(policy)
         return tool_policy(settings)
 

