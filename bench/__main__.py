@@ -16,6 +16,7 @@ from bench.benchmarks import (
     bench_trainer,
 )
 from bench.learning import bench_learning
+from bench.server import bench_server
 from jobs.models import build_default_model
 
 BENCHMARKS = {
@@ -26,6 +27,7 @@ BENCHMARKS = {
     "trainer": bench_trainer,
     "sampler": bench_sampler,
     "learning": bench_learning,
+    "server": bench_server,
 }
 
 

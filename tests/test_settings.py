@@ -115,3 +115,11 @@ def test_a_task_sets_its_run_up_when_made_and_complete_only_checks(configure):
     before = sorted(settings.run_dir.rglob("*"))
     assert not task.complete()
     assert sorted(settings.run_dir.rglob("*")) == before  # complete() wrote nothing
+
+
+def test_the_cpu_configuration_keeps_the_short_system_prompt_and_the_recipe_has_the_seeds():
+    parser = configparser.ConfigParser()
+    parser.read([REPO / "luigi.cfg"])
+    assert "do not read or write files" in parser["model"]["system_prompt"]
+    parser.read([REPO / "configs/cpu.cfg"])  # layered on top, as make run does
+    assert parser["model"]["system_prompt"] == ""

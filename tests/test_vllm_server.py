@@ -90,6 +90,29 @@ def test_a_server_gone_mid_round_is_retried_then_named_in_one_error():
         sample_checked(sampler, requests(), SamplingSettings(), attempts=2, backoff_seconds=0.1)
 
 
+def test_a_round_whose_server_went_away_fails_then_finishes_when_run_again(configure, server, monkeypatch):
+    from pipeline import ScoreTrajectories
+
+    fake = http.server.HTTPServer(("127.0.0.1", free_port()), _GoneAfterStart)
+    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    settings = configure(
+        "gone", sampler={"engine": "vllm-server", "servers": f"http://127.0.0.1:{fake.server_address[1]}"}
+    )
+    real_init = ServerSampler.__init__
+
+    def connect_then_lose_the_server(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        fake.shutdown()
+        fake.server_close()
+
+    monkeypatch.setattr(ServerSampler, "__init__", connect_then_lose_the_server)
+    assert not luigi.build([ScoreTrajectories(step=0)], local_scheduler=True, workers=1, log_level="WARNING")
+    assert not (step_dir(settings, 0) / "shard=00/round=00/samples.parquet").exists()
+    monkeypatch.setattr(ServerSampler, "__init__", real_init)
+    configure("gone", sampler={"engine": "vllm-server", "servers": server})  # the same command, a live server
+    assert luigi.build([ScoreTrajectories(step=0)], local_scheduler=True, workers=1, log_level="WARNING")
+
+
 def test_shards_run_by_two_workers_sample_from_one_server(configure, server):
     from pipeline import ScoreTrajectories
 
