@@ -9,6 +9,7 @@ and the development ones (VLLM_SERVER_DEV_MODE) /reset_prefix_cache, /collective
 from __future__ import annotations
 
 import hashlib
+import os
 import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +61,9 @@ class ServerSampler:
         self.policy: Path | None = None
         self.weights = Path(self.base_model)  # the full weights the server holds now
         self._adapters = Path(tempfile.mkdtemp(prefix="retool-adapters-"))  # adapters renamed for the engine
-        self._pool = ThreadPoolExecutor(max_workers=workers)  # one HTTP call per request, batched by the server
+        self._workers = workers  # HTTP calls at once, one per request: the server batches them
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0  # the process the pool's threads run in (a forked worker needs its own)
 
     def use_policy(self, checkpoint: Path | None, adapter_base: Path | None = None) -> None:
         """A LoRA checkpoint is loaded under a new name (the server caches adapters by name); full weights
@@ -110,6 +113,8 @@ class ServerSampler:
         if not requests:
             return []
         self.wake()
+        if self._pool_pid != os.getpid():  # made here, not inherited: a forked process has none of its threads
+            self._pool, self._pool_pid = ThreadPoolExecutor(max_workers=self._workers), os.getpid()
         return list(self._pool.map(lambda request: self._sample_one(request, settings), requests))
 
     def _sample_one(self, request: SampleRequest, settings: SamplingSettings) -> list[SampledSequence]:
