@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
 
+from jobs.cold_start import read_conversations
 from jobs.data import MathExample
 from jobs.protocol import ChatProtocol, load_tokenizer
 from jobs.rollout import Trajectory
@@ -39,12 +40,21 @@ def open_run(settings: RunSettings) -> None:
     load what every task of the run shares."""
     check_training(settings)
     check_machine(settings)
+    check_inputs(settings)
     freeze(settings)
     if settings.sampler.engine == "vllm-server":
         server_urls(settings)  # found or started before Luigi forks workers, which then share it
     protocol_for(settings.model)
     if settings.model.use_tools:
         sandbox_for(settings.sandbox).prewarm()
+
+
+def check_inputs(settings: RunSettings) -> None:
+    """Reads the run's data files once, so that a bad row fails the command at once with the file and
+    line, instead of failing a stage that the scheduler would retry."""
+    step_examples(settings, 0, None)
+    if settings.cold_start.data:
+        read_conversations(settings.cold_start.data)
 
 
 @dataclass(frozen=True)

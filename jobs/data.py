@@ -51,10 +51,14 @@ def _text(value: Any, field: str, where: str) -> str:
     return value
 
 
-def example_from_row(row: dict[str, Any], where: str, data_source: str) -> MathExample:
-    """Reads one row in any supported layout: native, DAPO-Math-17k or AIME."""
+def example_from_row(row: dict[str, Any], where: str, data_source: str, fallback_id: str = "") -> MathExample:
+    """Reads one row in any supported layout: native, DAPO-Math-17k or AIME. Field names match in any
+    case (public files write `Problem`, `Answer`, `ID`); a row without an id gets `fallback_id`."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: expected an object, got {type(row).__name__}")
+    row = {key.lower() if isinstance(key, str) else key: value for key, value in row.items()}
+    if fallback_id and row.get("id") is None:
+        row["id"] = fallback_id
     if "prompt" in row and "reward_model" in row:  # DAPO-Math-17k
         messages = row["prompt"]
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -115,7 +119,10 @@ def read_examples(path: str | Path) -> list[MathExample]:
     if not path.is_file():
         raise DataError(f"{path}: data file does not exist")
     unit = "line" if path.suffix == ".jsonl" else "row"
-    examples = [example_from_row(row, f"{path} {unit} {number}", path.stem) for number, row in _rows(path)]
+    examples = [
+        example_from_row(row, f"{path} {unit} {number}", path.stem, f"{path.stem}-{number}")
+        for number, row in _rows(path)
+    ]
     if not examples:
         raise DataError(f"{path}: data file has no examples")
     return examples

@@ -201,7 +201,7 @@ def make_report(run: str | Path, out: str | Path | None = None) -> Path:
     plot_eval(evals, out / "eval.png")
     sections = [
         f"# Run report: {run.name}\n",
-        f"{metrics.height} training steps, {evals.height} evaluations.\n",
+        f"{counted(metrics.height, 'training step')}, {counted(evals.height, 'evaluation')}.\n",
         "## Training\n",
         "![reward](reward.png)\n",
         "![tool use](tool_use.png)\n",
@@ -242,11 +242,17 @@ def make_report(run: str | Path, out: str | Path | None = None) -> Path:
     return report
 
 
+def counted(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("run", type=Path, help="run folder, e.g. runs/cpu-default")
     parser.add_argument("--out", type=Path, help="folder for the plots and report.md (default: RUN/report)")
     args = parser.parse_args()
+    if not (args.run / "config.json").is_file():
+        parser.error(f"{args.run}: no such run folder (a run folder holds the config.json its first command wrote)")
     print(make_report(args.run, args.out))
 
 

@@ -4,11 +4,15 @@ settings frozen into runs/<run>/config.json (a later command with different sett
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
+from jobs.atomic import write_text_atomically
 from jobs.settings import DEFAULT_MODEL, RunSettings, SettingsError, frozen
+
+log = logging.getLogger(__name__)
 
 # Where each setting of the flat [retool] section of earlier versions lives now: config.json files
 # written then still match, and a [retool] section in a config file is refused with the new place.
@@ -137,17 +141,27 @@ def differences(recorded: dict[str, dict[str, Any]], wanted: dict[str, dict[str,
     return differing
 
 
+def has_results(run_dir: Path) -> bool:
+    """Whether any stage of the run has written its output (a Parquet table or a finished checkpoint)."""
+    return any(path.suffix == ".parquet" or path.name == "_SUCCESS" for path in run_dir.rglob("*"))
+
+
 def freeze(settings: RunSettings) -> None:
     """Writes runs/<run>/config.json on first use; afterwards refuses different settings."""
     path = settings.run_dir / "config.json"
     wanted = frozen(settings)
     if path.exists():
         differing = differences(nested(json.loads(path.read_text())), wanted)
-        if differing:
+        if differing and has_results(settings.run_dir):
             raise SettingsError(
                 f"{path}: this run was started with other settings; differing: {', '.join(differing)}. Use the "
-                "frozen values or another run name"
+                "frozen values, another run name, or delete the run's folder to start it again"
             )
+        if not differing:
+            return
+        # No stage of the run has finished (its first command failed): the new settings replace the old.
+        log.warning("%s: no stage of this run has finished; its settings are replaced (%s)", path, ", ".join(differing))
+        write_text_atomically(path, json.dumps(wanted, indent=2, sort_keys=True) + "\n")
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".config.json.tmp-{os.getpid()}")

@@ -33,8 +33,9 @@ class RunTask(luigi.Task):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         # The run's set-up, once: the command line builds its task here, before Luigi schedules anything or
-        # forks worker processes.
+        # forks worker processes. An evaluation's data file is read here too.
         open_run(current_settings())
+        self.context.settings
 
     @property
     def context(self) -> RunContext:

@@ -342,9 +342,11 @@ def test_a_bad_cold_start_file_fails_once_with_its_line_and_writes_nothing(confi
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "1"}]}\n')
+    from jobs.data import DataError
+
     settings = configure("bad-cold", cold_start={"data": str(bad)})
-    result = luigi.build([SFTExamples()], local_scheduler=True, workers=1, log_level="WARNING", detailed_summary=True)
-    assert not result.scheduling_succeeded
+    with pytest.raises(DataError, match=f"{bad} line 1 message 2: a tool message without"):  # when the task is made
+        SFTExamples()
     assert not (settings.run_dir / "sft").exists() or not list((settings.run_dir / "sft").glob("*.parquet"))
 
 

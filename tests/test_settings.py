@@ -75,6 +75,8 @@ def test_config_json_nests_by_section_and_a_flat_one_from_earlier_versions_still
     (tmp_path / "old").mkdir()
     (tmp_path / "old" / "config.json").write_text(json.dumps(flat))
     freeze(settings)  # the same settings, written flat: accepted
+    (tmp_path / "old" / "step=0000").mkdir()
+    (tmp_path / "old" / "step=0000" / "prompts.parquet").write_bytes(b"")  # a stage has finished
     with pytest.raises(SettingsError, match=r"differing: \[rollout\] group_size = 4 \(frozen: 8\)"):
         freeze(settings.changed(rollout={"group_size": 4}))
     freeze(settings.changed(run={"keep_last": 9}, sandbox={"max_workers": 1}))  # operational: free to differ

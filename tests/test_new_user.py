@@ -1,0 +1,93 @@
+"""What a new user hits first: public data layouts without ids, input errors as one line without retries,
+a first command with bad settings that can be re-pointed, and the report's command-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jobs.data import read_examples
+from jobs.run_setup import freeze
+from jobs.settings import RunSettings, SettingsError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_public_layouts_read_without_ids_and_with_capitalised_fields(tmp_path):
+    path = tmp_path / "aime.jsonl"
+    rows = [{"problem": "What is 1 + 1?", "answer": 2}, {"ID": "2024-I-3", "Problem": "What is 2 + 2?", "Answer": "4"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    first, second = read_examples(path)
+    assert (first.id, first.question, first.answer) == ("aime-1", "What is 1 + 1?", "2")  # file and line
+    assert (second.id, second.question, second.answer) == ("2024-I-3", "What is 2 + 2?", "4")
+    assert [e.id for e in read_examples(path)] == ["aime-1", "2024-I-3"]  # stable
+
+
+def run_cli(*args, cwd=REPO):
+    return subprocess.run(
+        [sys.executable, "-m", "luigi", "--module", "pipeline", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+
+
+def test_bad_data_is_one_line_at_once_not_a_retried_traceback(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps({"id": "1", "question": "q", "answer": "1"}) + "\n" + json.dumps({"id": "2", "question": "q"})
+    )
+    started = time.perf_counter()
+    result = run_cli(
+        "Prompts",
+        "--step",
+        "0",
+        "--run-device",
+        "cpu",
+        "--model-name",
+        "default",
+        "--run-runs-dir",
+        str(tmp_path / "runs"),
+        "--data-train",
+        str(bad),
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and time.perf_counter() - started < 60  # no 30 s retry delays
+    assert output.count(f"{bad} line 2: field 'answer' is missing or null") == 1
+    assert "Traceback" not in output
+
+
+def test_a_run_whose_first_command_failed_can_be_pointed_elsewhere(tmp_path):
+    first = RunSettings().changed(run={"name": "new", "runs_dir": str(tmp_path), "device": "cpu"})
+    freeze(first)
+    second = first.changed(data={"train": "data/synthetic_eval.jsonl"})
+    freeze(second)  # nothing of the run exists but its config.json: the new settings replace it
+    assert json.loads((tmp_path / "new" / "config.json").read_text())["data"]["train"] == "data/synthetic_eval.jsonl"
+    (tmp_path / "new" / "step=0000").mkdir()
+    (tmp_path / "new" / "step=0000" / "prompts.parquet").write_bytes(b"")
+    with pytest.raises(SettingsError, match="another run name, or delete the run's folder"):
+        freeze(first)
+
+
+def test_the_report_of_a_missing_run_is_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "jobs.report", "runs/nope"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and "runs/nope: no such run folder" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_counts_in_the_report_agree_with_their_nouns():
+    from jobs.report import counted
+
+    assert counted(1, "training step") == "1 training step"
+    assert counted(2, "evaluation") == "2 evaluations"
+    assert counted(0, "evaluation") == "0 evaluations"
