@@ -4,6 +4,7 @@ with training files)."""
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -21,12 +22,28 @@ class EvalSpec:
     n: int  # samples per question (the group size of the eval rollout)
     mode: str  # retool (tool enabled) | text-only (no tool, one turn, the same budget)
     sft: bool = False  # evaluate the cold-start checkpoint (step -1) instead of the base model
+    limit: int = 0  # evaluate the file's first `limit` questions only; 0 = all
+    temperature: float | None = None  # sampling temperature; None = the run's [rollout] temperature
+    top_p: float | None = None  # nucleus sampling; None = the run's [rollout] top_p
 
     def __post_init__(self) -> None:
-        if self.n <= 0:
-            raise SettingsError(f"evaluation n must be positive, got {self.n}")
+        if self.n <= 0 or self.limit < 0:
+            raise SettingsError(f"evaluation n must be positive and limit >= 0, got {self.n} and {self.limit}")
         if self.mode not in EVAL_MODES:
             raise SettingsError(f"evaluation mode must be one of {EVAL_MODES}, got {self.mode!r}")
+
+    @property
+    def name(self) -> str:
+        """The evaluation's folder: its data set by name and content, then how it samples."""
+        sampling = "".join(
+            f"-{key}{value:g}" for key, value in (("t", self.temperature), ("p", self.top_p)) if value is not None
+        )
+        limit = f"-first{self.limit}" if self.limit else ""
+        return f"{Path(self.dataset).stem}-{content_hash(self.dataset)}/{self.mode}-n{self.n}{sampling}{limit}"
+
+    def examples(self) -> list[MathExample]:
+        examples = list(_examples(self.dataset))
+        return examples[: self.limit] if self.limit else examples
 
 
 @lru_cache(maxsize=16)
@@ -34,12 +51,24 @@ def _examples(path: str) -> tuple[MathExample, ...]:
     return tuple(read_examples(path))
 
 
+def content_hash(path: str) -> str:
+    """The first hex digits of a file's SHA-256: two files with different questions never share an
+    evaluation, and the same file under another path or name reuses it."""
+    file = Path(path)
+    return _content_hash(str(file.resolve()), file.stat().st_mtime_ns, file.stat().st_size)
+
+
+@lru_cache(maxsize=64)
+def _content_hash(path: str, mtime_ns: int, size: int) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:10]
+
+
 def rollout_settings(settings: RunSettings, evaluation: EvalSpec | None) -> RunSettings:
     """The run's settings, or those of an evaluation rollout: every question of the data set once,
     `n` samples each; text-only mode declares no tool and allows one turn."""
     if evaluation is None:
         return settings
-    questions = len(_examples(evaluation.dataset))
+    questions = len(evaluation.examples())
     limit = 2 ** dict(SEED_FIELDS)["question_index"]
     if questions > limit:
         raise SettingsError(
@@ -53,6 +82,8 @@ def rollout_settings(settings: RunSettings, evaluation: EvalSpec | None) -> RunS
         group_size=evaluation.n,
         shards=min(settings.rollout.shards, questions),
         max_assistant_turns=1 if text_only else settings.rollout.max_assistant_turns,
+        temperature=settings.rollout.temperature if evaluation.temperature is None else evaluation.temperature,
+        top_p=settings.rollout.top_p if evaluation.top_p is None else evaluation.top_p,
     )
     return replace(
         settings,
@@ -66,13 +97,7 @@ def step_folder(settings: RunSettings, step: int, evaluation: EvalSpec | None = 
     if evaluation is None:
         return settings.run_dir / f"step={step:04d}"
     name = ("sft" if evaluation.sft else "base") if step < 0 else f"{step:04d}"
-    return (
-        settings.run_dir
-        / "eval"
-        / Path(evaluation.dataset).stem
-        / f"{evaluation.mode}-n{evaluation.n}"
-        / f"step={name}"
-    )
+    return settings.run_dir / "eval" / evaluation.name / f"step={name}"
 
 
 def round_dir(step_folder: Path, shard: int, round_index: int) -> Path:
@@ -110,6 +135,6 @@ def rl_base_model(settings: RunSettings) -> Path:
 
 def step_examples(settings: RunSettings, step: int, evaluation: EvalSpec | None) -> list[MathExample]:
     if evaluation is not None:
-        return list(_examples(evaluation.dataset))
+        return evaluation.examples()
     data = settings.data
     return take_batch(shuffled(_examples(data.train), data.seed), step, data.questions_per_step)

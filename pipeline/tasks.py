@@ -29,6 +29,9 @@ class RunTask(luigi.Task):
     sft = luigi.BoolParameter(
         default=False, description="with --step -1: evaluate the cold-start checkpoint, not the base model"
     )
+    limit = luigi.IntParameter(default=0, description="evaluate the data set's first N questions only (0: all)")
+    temperature = luigi.OptionalFloatParameter(default=None, description="evaluation temperature (default: the run's)")
+    top_p = luigi.OptionalFloatParameter(default=None, description="evaluation top_p (default: the run's)")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -39,7 +42,11 @@ class RunTask(luigi.Task):
 
     @property
     def context(self) -> RunContext:
-        evaluation = EvalSpec(self.dataset, self.n, self.mode, self.sft) if self.dataset else None
+        evaluation = (
+            EvalSpec(self.dataset, self.n, self.mode, self.sft, self.limit, self.temperature, self.top_p)
+            if self.dataset
+            else None
+        )
         return context_for(current_settings(), self.step, evaluation)
 
     def target(self, relative: str) -> luigi.LocalTarget:
@@ -59,7 +66,8 @@ class RunTask(luigi.Task):
         """The task as users name it: training tasks without the (empty) evaluation parameters."""
         params = self.to_str_params(only_significant=True)
         if not self.dataset:
-            params = {k: v for k, v in params.items() if k not in ("dataset", "n", "mode", "sft")}
+            evaluation = ("dataset", "n", "mode", "sft", "limit", "temperature", "top_p")
+            params = {k: v for k, v in params.items() if k not in evaluation}
         return f"{self.task_family}({', '.join(f'{k}={v}' for k, v in params.items())})"
 
     def write(self, table) -> None:
@@ -286,10 +294,7 @@ class BeforeAfter(RunTask):
             + ([("SFT", -1, True)] if self.context.run.cold_start.data else [])
             + [(f"RL step {self.step}", self.step, False)]
         )
-        return [
-            (label, Evaluate(step=step, sft=sft, dataset=self.dataset, n=self.n, mode=self.mode))
-            for label, step, sft in policies
-        ]
+        return [(label, self.clone(Evaluate, step=step, sft=sft)) for label, step, sft in policies]
 
     def requires(self):
         return [task for _, task in self.evaluations()]

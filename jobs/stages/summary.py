@@ -12,7 +12,7 @@ from jobs.atomic import write_text_atomically
 from jobs.evaluation import before_after_markdown, paired_difference, summarize_eval
 from jobs.metrics import describe_step, export_tensorboard, metrics_table, stage_seconds, step_metrics
 from jobs.report import make_report
-from jobs.runs import EvalSpec
+from jobs.runs import EvalSpec, content_hash
 from jobs.sandbox import Sandbox
 from jobs.tables import OBSERVATIONS, TRAJECTORIES, read_table, write_table_atomically
 from jobs.trainer_config import StepMetrics
@@ -40,6 +40,10 @@ def evaluate_stage(trajectories: pa.Table, evaluation: EvalSpec, step: int, out:
     policy = ("sft" if evaluation.sft else "base") if step < 0 else f"step {step}"
     summary = {
         "dataset": evaluation.dataset,
+        "dataset_sha256": content_hash(evaluation.dataset),  # the leading digits, as in the folder's name
+        "questions_limit": evaluation.limit,
+        "temperature": evaluation.temperature,
+        "top_p": evaluation.top_p,
         "mode": evaluation.mode,
         "step": step,
         "policy": policy,
