@@ -16,6 +16,7 @@ from jobs.stages.summary import before_after_stage, evaluate_stage, metrics_stag
 from jobs.stages.training import cold_start_stage, describe_metrics, sft_examples_stage, train_stage
 from jobs.tables import SAMPLES, TRAJECTORIES, parquet_seconds, read_table, write_table_atomically
 from pipeline.config import current_settings
+from pipeline.outcome import note_failure, watch_if_named_on_the_command_line
 
 
 class RunTask(luigi.Task):
@@ -39,6 +40,7 @@ class RunTask(luigi.Task):
         # forks worker processes. An evaluation's data file is read here too.
         open_run(current_settings())
         self.context.settings
+        watch_if_named_on_the_command_line(self)
 
     @property
     def context(self) -> RunContext:
@@ -87,6 +89,11 @@ class RunTask(luigi.Task):
 @RunTask.event_handler(luigi.Event.START)
 def _note_start(task: RunTask) -> None:
     task.parquet_seconds_at_start = parquet_seconds()
+
+
+@RunTask.event_handler(luigi.Event.FAILURE)
+def _note_failure(task: RunTask, error: Exception) -> None:
+    note_failure(task, error)
 
 
 @RunTask.event_handler(luigi.Event.PROCESSING_TIME)

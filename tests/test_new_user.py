@@ -107,3 +107,12 @@ def test_evaluations_are_told_apart_by_content_and_by_how_they_sample(tmp_path):
     assert spec.name.endswith("/retool-n2-t1-p0.7-first1") and [e.id for e in spec.examples()] == ["0"]
     settings = rollout_settings(RunSettings(), spec)
     assert (settings.rollout.top_p, settings.data.questions_per_step) == (0.7, 1)
+
+
+def test_a_command_ends_with_what_became_of_the_task_it_names(tmp_path):
+    arguments = ["Prompts", "--step", "0", "--run-device", "cpu", "--model-name", "default"]
+    arguments += ["--run-runs-dir", str(tmp_path), "--data-train", "data/synthetic_eval.jsonl"]
+    first, second = run_cli(*arguments), run_cli(*arguments)
+    output = tmp_path / "default" / "step=0000" / "prompts.parquet"
+    assert first.stdout.splitlines()[-1] == f"Prompts(step=0): done -> {output}"
+    assert second.stdout.splitlines()[-1].startswith(f"Prompts(step=0): already complete, nothing to do ({output})")
