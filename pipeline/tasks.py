@@ -70,6 +70,8 @@ class RunTask(luigi.Task):
         if not self.dataset:
             evaluation = ("dataset", "n", "mode", "sft", "limit", "temperature", "top_p")
             params = {k: v for k, v in params.items() if k not in evaluation}
+        unset = {"limit": "0", "temperature": "", "top_p": ""}  # an evaluation's sampling as the run's: not shown
+        params = {k: v for k, v in params.items() if unset.get(k) != v}
         return f"{self.task_family}({', '.join(f'{k}={v}' for k, v in params.items())})"
 
     def write(self, table) -> None:
