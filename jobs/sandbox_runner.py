@@ -10,6 +10,7 @@ can neither undo that nor reach outside.
 
 import ast
 import ctypes
+import errno
 import json
 import linecache
 import os
@@ -175,11 +176,14 @@ def flush_streams() -> bool:
             stream.flush()
         except (OSError, ValueError) as error:
             flushed = False
-            try:
-                os.write(
-                    2,
-                    f"OSError: the code closed its standard {name}; what it printed there is lost ({error})\n".encode(),
+            if getattr(error, "errno", None) == errno.EFBIG:  # the output cap (RLIMIT_FSIZE), not a closed stream
+                message = (
+                    f"OutputLimitError: the code printed more than the sandbox keeps; the rest of its {name} is lost"
                 )
+            else:
+                message = f"OSError: the code closed its standard {name}; what it printed there is lost ({error})"
+            try:
+                os.write(2, (message + "\n").encode())
             except OSError:
                 pass
     return flushed

@@ -270,3 +270,10 @@ def test_a_killed_zygote_is_replaced():
         assert sandbox.run_code("print(3)").stdout == "3\n"
     finally:
         sandbox.close()
+
+
+def test_output_over_the_cap_at_exit_is_named_as_the_cap_not_a_closed_stream():
+    sandbox = Sandbox(SandboxConfig(file_mb=1, max_workers=1))
+    result = sandbox.run_code("import os\nos.write(1, b'x' * 2**20)\nprint('and one more line')")
+    assert "OutputLimitError" in sandbox.observation(result)
+    assert "printed more than the sandbox keeps" in result.stderr and "closed its standard" not in result.stderr
