@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from jobs.atomic import write_text_atomically
 from jobs.run_setup import resolve_model
 from jobs.settings import RunSettings, SettingsError
 from jobs.vllm_sampler import CPU_ENVIRONMENT
@@ -91,11 +92,8 @@ def stop_server(process: subprocess.Popen) -> None:
 
 
 def write_record(settings: RunSettings, url: str, pid: int, started_by: str) -> None:
-    path = settings.run_dir / RECORD
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{RECORD}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps({"url": url, "pid": pid, "started_by": started_by}) + "\n")
-    temporary.rename(path)
+    record = {"url": url, "pid": pid, "started_by": started_by}
+    write_text_atomically(settings.run_dir / RECORD, json.dumps(record) + "\n")
 
 
 def recorded_url(settings: RunSettings) -> str | None:

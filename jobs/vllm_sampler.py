@@ -76,10 +76,13 @@ class VLLMSampler:
 
     def close(self) -> None:
         """Stops the engine and frees its memory now, not when the process ends."""
+        self._stop_engine()
+        shutil.rmtree(self._adapters, ignore_errors=True)
+
+    def _stop_engine(self) -> None:
         self.llm.llm_engine.engine_core.shutdown()
         del self.llm
         gc.collect()
-        shutil.rmtree(self._adapters, ignore_errors=True)
 
     def sleep(self) -> None:
         """Gives the GPU memory back to a training step in this process (vLLM's sleep mode, level 1:
@@ -123,9 +126,7 @@ class VLLMSampler:
         if self.device == "cpu":
             from vllm import LLM
 
-            self.llm.llm_engine.engine_core.shutdown()
-            del self.llm
-            gc.collect()
+            self._stop_engine()
             self.llm = LLM(model=str(weights), tokenizer=str(self.model_path), **self.options)
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights)})

@@ -3,6 +3,8 @@ function of jobs/ and writes its output atomically; the rules live in jobs/."""
 
 from __future__ import annotations
 
+import functools
+
 import luigi
 
 from jobs.cold_start import describe_cold_start, losses_table
@@ -136,7 +138,7 @@ class SampleRound(RunTask):
         trajectories = context.trajectories(self.shard, self.round)
         self.set_status_message(f"sampling for {sum(not t.done for t in trajectories)} live trajectories")
         rollout = context.settings.rollout
-        sampler = lambda: context.sampler(self.shard)  # noqa: E731 (loaded only when there is something to sample)
+        sampler = functools.partial(context.sampler, self.shard)  # loaded only when there is something to sample
         self.write(sample_round(trajectories, sampler, context.protocol, rollout, self.step, self.round))
 
 
