@@ -15,14 +15,14 @@ def bench_learning(workdir: Path) -> list[tuple[str, str]]:
     the held-out questions of data/synthetic_eval.jsonl, and the RL curve; the curve is also drawn to
     docs/learning-curve.png."""
     from jobs.analysis import metrics_by_step
-    from jobs.report import plot_learning_curve
+    from jobs.report import plot_learning_curve, save
     from pipeline.tasks import BeforeAfter
 
     settings = default_run_settings().changed(run={"runs_dir": str(workdir), "name": "learning"})
     wall = luigi_build(settings, BeforeAfter, step=LEARNING_STEPS - 1, n=LEARNING_SAMPLES)
     task = BeforeAfter(step=LEARNING_STEPS - 1, n=LEARNING_SAMPLES)
     metrics = metrics_by_step(settings.run_dir)
-    plot_learning_curve(metrics, REPO / "docs" / "learning-curve.png")
+    save(plot_learning_curve(metrics), REPO / "docs" / "learning-curve.png")
     rows = [
         ("config", f"configs/cpu.cfg, {LEARNING_STEPS} RL steps, Evaluate n={LEARNING_SAMPLES} on {task.dataset}"),
         ("wall time", f"{wall:.0f} s"),

@@ -84,6 +84,14 @@ def length_distributions(run: str | Path) -> pl.DataFrame:
     )
 
 
+def trajectory_lengths(run: str | Path) -> pl.DataFrame:
+    """One row per trajectory: its step and its length in tokens (prompt, turns and observations)."""
+    scan = _scan(run, "step=*/trajectories.parquet")
+    if scan is None:
+        return _empty(step=pl.Int32, trajectory_tokens=pl.Int64)
+    return scan.select("step", "trajectory_tokens").sort("step").collect()
+
+
 def solve_rates(run: str | Path) -> pl.DataFrame:
     """Per question (example_id) and step: the share of its group that was correct."""
     scan = _scan(run, "step=*/trajectories.parquet")
@@ -125,11 +133,18 @@ def worst_trajectories(run: str | Path, count: int = 10) -> pl.DataFrame:
 
 def eval_by_checkpoint(run: str | Path) -> pl.DataFrame:
     """Every evaluation summary of the run: data set, mode, checkpoint step (-1 = base or the cold start),
-    metrics, and `position`, the policy's place in training order (base -2, cold start -1, then steps)."""
+    metrics, `evaluation` (its folder, e.g. `synthetic_eval-1a2b3c4d5e/retool-n4`: data and sampling), and
+    `position`, the policy's place in training order (base -2, cold start -1, then steps)."""
     paths = sorted(Path(run).glob("eval/*/*/step=*/summary.parquet"))
     if not paths:
-        return _empty(dataset=pl.String, mode=pl.String, step=pl.Int64, position=pl.Int64)
-    evals = pl.concat([pl.read_parquet(path) for path in paths], how="diagonal_relaxed")
+        return _empty(evaluation=pl.String, dataset=pl.String, mode=pl.String, step=pl.Int64, position=pl.Int64)
+    evals = pl.concat(
+        [
+            pl.read_parquet(path).with_columns(evaluation=pl.lit(f"{path.parents[2].name}/{path.parents[1].name}"))
+            for path in paths
+        ],
+        how="diagonal_relaxed",
+    )
     is_sft = pl.col("policy") == "sft" if "policy" in evals.columns else pl.lit(False)
     position = pl.when(pl.col("step") >= 0).then(pl.col("step")).when(is_sft).then(-1).otherwise(-2)
-    return evals.with_columns(position.alias("position")).sort("dataset", "mode", "n", "position")
+    return evals.with_columns(position.alias("position")).sort("evaluation", "position")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+from itertools import cycle
 from pathlib import Path
 
 import matplotlib
@@ -10,164 +12,159 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 import polars as pl  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
 
 from jobs.analysis import (
     eval_by_checkpoint,
     length_distributions,
     metrics_by_step,
     sandbox_error_kinds,
+    trajectory_lengths,
     worst_trajectories,
 )  # noqa: E402
 from jobs.atomic import write_text_atomically  # noqa: E402
 
 PLOTS = ("reward.png", "tool_use.png", "sandbox.png", "lengths.png", "eval.png")
-STYLES = (("o", "-"), ("s", "--"), ("^", ":"))  # lines that coincide stay distinguishable
+STYLES = (("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "-"), ("P", "--"))  # coinciding lines stay apart
 
 
-def _lines(
-    path: Path,
-    title: str,
-    steps: list,
-    series: dict[str, list],
-    ylabel: str,
-    xlabel: str = "training step",
-    ylim: tuple | None = None,
-) -> None:
-    figure, axis = plt.subplots(figsize=(7, 4), layout="constrained")
-    for (label, values), (marker, linestyle) in zip(series.items(), STYLES):
+def _has_values(values: list) -> bool:
+    return any(value is not None and math.isfinite(value) for value in values)
+
+
+def _note(axis: Axes, lines: list[str]) -> None:
+    """Says on the plot why a series or the whole panel has nothing to draw."""
+    if not lines:
+        return
+    empty = not axis.lines and not axis.patches
+    axis.text(
+        0.5 if empty else 0.02,
+        0.5 if empty else 0.97,
+        "\n".join(lines),
+        ha="center" if empty else "left",
+        va="center" if empty else "top",
+        transform=axis.transAxes,
+        fontsize="medium" if empty else "small",
+        color="dimgray",
+        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8},
+    )
+
+
+def _draw_series(axis: Axes, steps: list, series: dict[str, list], empty_because: str) -> None:
+    """One line per series that has a value; a series with none is named in a note, not left in the legend
+    as an entry without a line."""
+    drawn = {label: values for label, values in series.items() if steps and _has_values(values)}
+    for (label, values), (marker, linestyle) in zip(drawn.items(), cycle(STYLES)):
         axis.plot(steps, values, marker=marker, linestyle=linestyle, label=label)
-    if not steps:
-        axis.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=axis.transAxes)
-    axis.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    if ylim:
-        axis.set_ylim(*ylim)
     if steps:
         axis.set_xticks(sorted(set(steps)))
+    if drawn:
         axis.legend(loc="best")
+    missing = [f"{label}: none ({empty_because})" for label in series if label not in drawn]
+    _note(axis, ["no training step yet"] if not steps else missing if drawn else [empty_because])
     axis.grid(alpha=0.3)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
 
 
 def _column(frame: pl.DataFrame, name: str) -> list:
     return frame[name].to_list() if name in frame.columns else [float("nan")] * frame.height
 
 
-def plot_reward(metrics: pl.DataFrame, path: Path) -> None:
-    steps = _column(metrics, "step")
-    _lines(
-        path,
-        "Reward, accuracy and format",
-        steps,
-        {
-            "reward mean (±1)": _column(metrics, "reward_mean"),
-            "correct": _column(metrics, "correct"),
-            "valid \\boxed{} format": _column(metrics, "format"),
-        },
-        "value",
-        ylim=(-1.05, 1.05),
-    )
-
-
-def plot_tool_use(metrics: pl.DataFrame, path: Path) -> None:
-    steps = _column(metrics, "step")
-    _lines(
-        path,
-        "Tool use per trajectory",
-        steps,
-        {
-            "valid tool-call rate": _column(metrics, "valid_tool_call_rate"),
-            "code calls": _column(metrics, "code_calls"),
-            "assistant turns": _column(metrics, "turns"),
-        },
-        "mean",
-    )
-
-
-def plot_sandbox(metrics: pl.DataFrame, errors: pl.DataFrame, path: Path) -> None:
-    figure, (rates, kinds) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
-    steps = _column(metrics, "step")
-    outcomes = (("ok", "sandbox_ok_rate"), ("error", "sandbox_error_rate"), ("timeout", "sandbox_timeout_rate"))
-    for (label, name), (marker, linestyle) in zip(outcomes, STYLES):
-        rates.plot(steps, _column(metrics, name), marker=marker, linestyle=linestyle, label=label)
-    rates.set(title="Sandbox outcome rates", xlabel="training step", ylabel="share of calls", ylim=(-0.05, 1.05))
-    if steps:
-        rates.set_xticks(sorted(set(steps)))
-    rates.legend(loc="best")
-    rates.grid(alpha=0.3)
-    if errors.height:
-        kinds.barh(errors["error"].to_list()[::-1], errors["calls"].to_list()[::-1], color="tab:red", height=0.5)
-    else:
-        kinds.text(0.5, 0.5, "no failed calls", ha="center", va="center", transform=kinds.transAxes)
-    kinds.set(title="Failed calls by error", xlabel="calls")
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
-def plot_lengths(run: Path, path: Path) -> None:
-    paths = sorted(run.glob("step=*/trajectories.parquet"))
-    frame = (
-        pl.concat([pl.read_parquet(p, columns=["step", "trajectory_tokens"]) for p in paths])
-        if paths
-        else pl.DataFrame()
-    )
+def plot_reward(metrics: pl.DataFrame) -> Figure:
     figure, axis = plt.subplots(figsize=(7, 4), layout="constrained")
-    if frame.height:
-        steps = sorted(frame["step"].unique().to_list())
-        axis.boxplot(
-            [frame.filter(pl.col("step") == s)["trajectory_tokens"].to_list() for s in steps],
-            tick_labels=[str(s) for s in steps],
-        )
-    else:
-        axis.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=axis.transAxes)
+    series = {
+        "reward mean (±1)": _column(metrics, "reward_mean"),
+        "correct": _column(metrics, "correct"),
+        "valid \\boxed{} format": _column(metrics, "format"),
+    }
+    _draw_series(axis, _column(metrics, "step"), series, "not recorded")
+    axis.set(title="Reward, accuracy and format", xlabel="training step", ylabel="value", ylim=(-1.05, 1.05))
+    return figure
+
+
+def plot_tool_use(metrics: pl.DataFrame) -> Figure:
+    figure, axis = plt.subplots(figsize=(7, 4), layout="constrained")
+    series = {
+        "valid tool-call rate": _column(metrics, "valid_tool_call_rate"),
+        "code calls": _column(metrics, "code_calls"),
+        "assistant turns": _column(metrics, "turns"),
+    }
+    _draw_series(axis, _column(metrics, "step"), series, "no tool calls")
+    axis.set(title="Tool use per trajectory", xlabel="training step", ylabel="mean")
+    return figure
+
+
+def plot_sandbox(metrics: pl.DataFrame, errors: pl.DataFrame) -> Figure:
+    figure, (rates, kinds) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
+    outcomes = {
+        "ok": _column(metrics, "sandbox_ok_rate"),
+        "error": _column(metrics, "sandbox_error_rate"),
+        "timeout": _column(metrics, "sandbox_timeout_rate"),
+    }
+    _draw_series(rates, _column(metrics, "step"), outcomes, "no sandbox calls")
+    rates.set(title="Sandbox outcome rates", xlabel="training step", ylabel="share of calls", ylim=(-0.05, 1.05))
+    if errors.height:
+        names = [_shortened(name, 28) for name in errors["error"].to_list()]
+        kinds.barh(names[::-1], errors["calls"].to_list()[::-1], color="tab:red", height=0.5)
+    _note(kinds, [] if errors.height else ["no failed calls"])
+    kinds.set(title="Failed calls by error", xlabel="calls")
+    return figure
+
+
+def _shortened(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def plot_lengths(lengths: pl.DataFrame) -> Figure:
+    figure, axis = plt.subplots(figsize=(7, 4), layout="constrained")
+    steps = sorted(lengths["step"].unique().to_list())
+    if steps:
+        by_step = [lengths.filter(pl.col("step") == step)["trajectory_tokens"].to_list() for step in steps]
+        axis.boxplot(by_step, tick_labels=[str(step) for step in steps])
+    _note(axis, [] if steps else ["no trajectories yet"])
     axis.set(title="Trajectory length", xlabel="training step", ylabel="tokens (prompt + turns + observations)")
     axis.grid(alpha=0.3)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+    return figure
 
 
-def plot_eval(evals: pl.DataFrame, path: Path) -> None:
-    figure, axis = plt.subplots(figsize=(8, 4.5), layout="constrained")
-    if evals.height:
-        for (dataset, mode, n), group in evals.group_by("dataset", "mode", "n", maintain_order=True):
-            name = f"{Path(dataset).stem} {mode}"
-            positions = group["position"].to_list()
-            for (column, label), (marker, linestyle) in zip(
-                (("average_at_n", f"Average@{n}"), ("pass_at_n", f"Pass@{n}"), ("format", "Format")), STYLES
-            ):
-                axis.plot(
-                    positions, group[column].to_list(), marker=marker, linestyle=linestyle, label=f"{name} {label}"
-                )
-        ticks = sorted(set(evals["position"].to_list()))
+EVAL_METRICS = (("average_at_n", "Average@n"), ("pass_at_n", "Pass@n"), ("format", "Format"))
+
+
+def plot_eval(evals: pl.DataFrame) -> Figure:
+    """One panel per metric, one line per evaluation (data file and sampling), so that no two series of
+    the same evaluation sit on each other (Average@1 equals Pass@1)."""
+    figure, axes = plt.subplots(1, 3, figsize=(13, 4.5), sharey=True, layout="constrained")
+    groups = list(evals.group_by("evaluation", maintain_order=True)) if evals.height else []
+    ticks = sorted(set(evals["position"].to_list()))
+    for axis, (column, title) in zip(axes, EVAL_METRICS):
+        for ((name,), group), (marker, linestyle) in zip(groups, cycle(STYLES)):
+            axis.plot(
+                group["position"].to_list(), _column(group, column), marker=marker, linestyle=linestyle, label=name
+            )
         axis.set_xticks(ticks, [{-2: "base", -1: "SFT"}.get(t, str(t)) for t in ticks])
-        axis.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
-    else:
-        axis.text(
-            0.5,
-            0.5,
-            "no evaluation yet (luigi --module pipeline Evaluate ...)",
-            ha="center",
-            va="center",
-            transform=axis.transAxes,
-        )
-    axis.set(title="Evaluation by checkpoint", xlabel="checkpoint", ylabel="rate", ylim=(-0.05, 1.05))
-    axis.grid(alpha=0.3)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+        axis.set(title=title, xlabel="checkpoint", ylim=(-0.05, 1.05))
+        axis.grid(alpha=0.3)
+        _note(axis, [] if groups else ["no evaluation yet"])
+    axes[0].set_ylabel("rate")
+    if groups:
+        figure.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", fontsize="small")
+    return figure
 
 
-def plot_learning_curve(metrics: pl.DataFrame, path: Path) -> None:
+def plot_learning_curve(metrics: pl.DataFrame) -> Figure:
     """Reward mean and degenerate-group rate per RL step: is the policy learning, and is there signal?"""
-    figure, axis = plt.subplots(figsize=(6.4, 3.6), constrained_layout=True)
-    steps = _column(metrics, "step")
-    axis.plot(steps, _column(metrics, "reward_mean"), marker="o", label="reward mean")
-    axis.plot(steps, _column(metrics, "correct"), marker="s", linestyle="--", label="correct")
-    axis.plot(
-        steps, _column(metrics, "degenerate_group_rate"), marker="^", linestyle=":", label="degenerate-group rate"
-    )
+    figure, axis = plt.subplots(figsize=(6.4, 3.6), layout="constrained")
+    series = {
+        "reward mean": _column(metrics, "reward_mean"),
+        "correct": _column(metrics, "correct"),
+        "degenerate-group rate": _column(metrics, "degenerate_group_rate"),
+    }
+    _draw_series(axis, _column(metrics, "step"), series, "not recorded")
     axis.set(title="RL after the cold start", xlabel="training step", ylim=(-1.05, 1.05))
-    axis.legend(loc="lower right", fontsize="small")
-    axis.grid(alpha=0.3)
+    return figure
+
+
+def save(figure: Figure, path: Path) -> None:
     figure.savefig(path, dpi=110)
     plt.close(figure)
 
@@ -194,11 +191,15 @@ def make_report(run: str | Path, out: str | Path | None = None) -> Path:
     out = Path(out) if out else run / "report"
     out.mkdir(parents=True, exist_ok=True)
     metrics, evals, errors = metrics_by_step(run), eval_by_checkpoint(run), sandbox_error_kinds(run)
-    plot_reward(metrics, out / "reward.png")
-    plot_tool_use(metrics, out / "tool_use.png")
-    plot_sandbox(metrics, errors, out / "sandbox.png")
-    plot_lengths(run, out / "lengths.png")
-    plot_eval(evals, out / "eval.png")
+    figures = (
+        plot_reward(metrics),
+        plot_tool_use(metrics),
+        plot_sandbox(metrics, errors),
+        plot_lengths(trajectory_lengths(run)),
+        plot_eval(evals),
+    )
+    for figure, name in zip(figures, PLOTS, strict=True):
+        save(figure, out / name)
     sections = [
         f"# Run report: {run.name}\n",
         f"{counted(metrics.height, 'training step')}, {counted(evals.height, 'evaluation')}.\n",

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 import luigi
+import matplotlib.pyplot as plt
+import polars as pl
 import pytest
 from PIL import Image
 
@@ -18,7 +22,7 @@ from jobs.analysis import (
     worst_trajectories,
 )
 from jobs.context import protocol_for
-from jobs.report import PLOTS, make_report
+from jobs.report import PLOTS, make_report, plot_eval, plot_lengths, plot_reward, plot_sandbox, plot_tool_use
 from jobs.sampling import ScriptedSampler
 from tests.helpers import scripted, tool_call_text
 from tests.pipeline_helpers import TRAIN, batch
@@ -79,3 +83,72 @@ def test_report_writes_every_plot(two_step_run):
         assert f"({name})" in report
     again = make_report(two_step_run.run_dir)  # the command-line form writes to runs/NAME/report
     assert again.parent == two_step_run.run_dir / "report" and all((again.parent / name).exists() for name in PLOTS)
+
+
+NAN = float("nan")
+
+
+def _has_values(line) -> bool:
+    return any(math.isfinite(value) for value in line.get_ydata())
+
+
+def _check_shows_data_or_says_why(figure) -> None:
+    """Every panel draws a value or holds a note; every legend entry names a line that has a value."""
+    for axis in figure.axes:
+        drawn = any(_has_values(line) for line in axis.lines) or axis.patches
+        assert drawn or any(text.get_text() for text in axis.texts), axis.get_title()
+    for legend in [axis.get_legend() for axis in figure.axes if axis.get_legend()] + figure.legends:
+        lines = {line.get_label(): line for axis in figure.axes for line in axis.lines}
+        for entry in legend.get_texts():
+            assert _has_values(lines[entry.get_text()]), f"legend entry {entry.get_text()!r} has no line"
+
+
+def test_every_plot_has_data_or_says_why_not():
+    """A run whose model never called the tool, and two evaluations of one checkpoint (n=1: Average@1 equals
+    Pass@1), then a run folder with nothing in it yet."""
+    metrics = pl.DataFrame(
+        {
+            "step": [0],
+            "reward_mean": [-1.0],
+            "correct": [0.0],
+            "format": [0.0],
+            "valid_tool_call_rate": [NAN],
+            "code_calls": [0.0],
+            "turns": [1.0],
+            "sandbox_ok_rate": [NAN],
+            "sandbox_error_rate": [NAN],
+            "sandbox_timeout_rate": [NAN],
+        }
+    )
+    evals = pl.DataFrame(
+        {
+            "evaluation": ["a-0123456789/retool-n1", "b-9876543210/plain-n1"],
+            "position": [0, 0],
+            "average_at_n": [0.25, 0.25],
+            "pass_at_n": [0.25, 0.25],
+            "format": [1.0, 1.0],
+        }
+    )
+    lengths = pl.DataFrame({"step": [0, 0], "trajectory_tokens": [90, 120]})
+    errors = pl.DataFrame(schema={"error": pl.String, "calls": pl.UInt32})
+    empty = {"metrics": metrics.clear(), "evals": evals.clear(), "lengths": lengths.clear()}
+    for metrics, evals, lengths in ((metrics, evals, lengths), tuple(empty.values())):
+        figures = [
+            plot_reward(metrics),
+            plot_tool_use(metrics),
+            plot_sandbox(metrics, errors),
+            plot_lengths(lengths),
+            plot_eval(evals),
+        ]
+        for figure in figures:
+            _check_shows_data_or_says_why(figure)
+            plt.close(figure)
+
+
+def test_a_run_without_tool_calls_says_so():
+    metrics = pl.DataFrame({"step": [0], "valid_tool_call_rate": [NAN], "code_calls": [0.0], "turns": [1.0]})
+    figure = plot_tool_use(metrics)
+    notes = [text.get_text() for text in figure.axes[0].texts]
+    assert notes == ["valid tool-call rate: none (no tool calls)"]
+    assert [entry.get_text() for entry in figure.axes[0].get_legend().get_texts()] == ["code calls", "assistant turns"]
+    plt.close(figure)
