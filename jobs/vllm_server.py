@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +19,7 @@ from pathlib import Path
 import requests
 
 from jobs.adapter_names import ADAPTER_WEIGHTS, adapter_for_engine
+from jobs.progress import sampling_progress, set_tokens
 from jobs.sampling import SampledSequence, SampleRequest, SamplingSettings
 
 HEALTH_TIMEOUT_SECONDS = 5.0
@@ -115,7 +117,19 @@ class ServerSampler:
         self.wake()
         if self._pool_pid != os.getpid():  # made here, not inherited: a forked process has none of its threads
             self._pool, self._pool_pid = ThreadPoolExecutor(max_workers=self._workers), os.getpid()
-        return list(self._pool.map(lambda request: self._sample_one(request, settings), requests))
+        sampled_tokens, counting = 0, threading.Lock()  # replies arrive on the pool's threads
+
+        def sample_and_count(request: SampleRequest) -> list[SampledSequence]:
+            nonlocal sampled_tokens
+            sequences = self._sample_one(request, settings)
+            with counting:
+                sampled_tokens += sum(len(sequence.tokens) for sequence in sequences)
+                set_tokens(progress, sampled_tokens)
+                progress.update(len(sequences))
+            return sequences
+
+        with sampling_progress(sum(request.num_samples for request in requests)) as progress:
+            return list(self._pool.map(sample_and_count, requests))
 
     def _sample_one(self, request: SampleRequest, settings: SamplingSettings) -> list[SampledSequence]:
         body = {

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+import jobs.progress
 from jobs.hf_sampler import HFSampler
 from jobs.sampling import SampleRequest, SamplingSettings
 
@@ -90,3 +91,12 @@ def test_sampling_from_a_lora_checkpoint_matches_the_trained_model(tiny_model_di
     assert trained.logprobs != base.logprobs
     sampler.use_policy(None)
     assert sampler.sample([request], SamplingSettings())[0][0] == base
+
+
+def test_progress_is_written_as_lines_when_stderr_is_not_a_terminal(sampler, capsys, monkeypatch):
+    monkeypatch.setattr(jobs.progress, "LOG_EVERY_SECONDS", 0.0)
+    replies = sampler.sample(requests_for(sampler), SamplingSettings())
+    tokens = sum(len(sequence.tokens) for sequences in replies for sequence in sequences)
+    lines = capsys.readouterr().err.splitlines()
+    assert "\r" not in "".join(lines)
+    assert lines[-1].startswith("sampling: 4/4 sequences") and lines[-1].endswith(f", {tokens} tokens"), lines

@@ -131,3 +131,13 @@ def test_full_weights_and_an_adapter_over_them_are_served_exactly(engine, tiny_m
     engine.use_policy(tmp_path / "adapter", tmp_path / "full" / "model")
     assert max_gap(engine, model.eval(), requests()[0]) < 1e-3
     engine.use_policy(None)
+
+
+def test_progress_counts_sequences_in_lines_when_stderr_is_not_a_terminal(engine, capsys, monkeypatch):
+    import jobs.progress
+
+    monkeypatch.setattr(jobs.progress, "LOG_EVERY_SECONDS", 0.0)
+    engine.sample(requests(), SamplingSettings())
+    lines = capsys.readouterr().err.splitlines()
+    progress = [line for line in lines if line.startswith("sampling: ")]
+    assert progress and progress[-1].startswith("sampling: 4/4 sequences") and "toks/s" in progress[-1], lines

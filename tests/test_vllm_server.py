@@ -13,6 +13,7 @@ import threading
 import luigi
 import pytest
 
+import jobs.progress
 from jobs.sampling import SampleRequest, SamplingSettings, sample_checked
 from jobs.serve import start_server, stop_server
 from jobs.settings import RunSettings
@@ -49,8 +50,10 @@ def requests():
     return [SampleRequest(0, (0, 1, 2), prompt, 16, seed=5), SampleRequest(1, (0,), prompt[:25], 9, seed=6)]
 
 
-def test_the_server_gives_the_in_process_engines_replies(server, tiny_model_dir):
+def test_the_server_gives_the_in_process_engines_replies(server, tiny_model_dir, capsys, monkeypatch):
     from jobs.vllm_sampler import VLLMSampler
+
+    monkeypatch.setattr(jobs.progress, "LOG_EVERY_SECONDS", 0.0)
 
     engine = VLLMSampler(tiny_model_dir, device="cpu", max_model_len=900)
     try:
@@ -63,6 +66,9 @@ def test_the_server_gives_the_in_process_engines_replies(server, tiny_model_dir)
         for a, b in zip(here, there, strict=True):
             assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
             assert a.finish_reason == b.finish_reason
+    tokens = sum(len(sequence.tokens) for sequences in remote for sequence in sequences)
+    progress = [line for line in capsys.readouterr().err.splitlines() if line.startswith("sampling: ")]
+    assert progress[-1].startswith("sampling: 4/4 sequences") and progress[-1].endswith(f", {tokens} tokens")
 
 
 class _GoneAfterStart(http.server.BaseHTTPRequestHandler):
