@@ -5,6 +5,7 @@ worker processes, which then share the tokenizer and the sandbox's pre-warmed se
 from __future__ import annotations
 
 import importlib
+import logging
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -13,7 +14,7 @@ from jobs.cold_start import read_conversations
 from jobs.data import MathExample
 from jobs.protocol import ChatProtocol, load_tokenizer
 from jobs.rollout import Trajectory
-from jobs.run_setup import check_machine, freeze, resolve_model
+from jobs.run_setup import check_machine, freeze, resolve_model, workers_warning
 from jobs.runs import (
     EvalSpec,
     policy_checkpoint,
@@ -33,13 +34,17 @@ from jobs.tables import OBSERVATIONS, PROMPTS, SAMPLES, read_table
 from jobs.vllm_sampler import vllm_available
 from jobs.vllm_server import ServerSampler
 
+log = logging.getLogger(__name__)
+
 
 @lru_cache(maxsize=None)
-def open_run(settings: RunSettings) -> None:
+def open_run(settings: RunSettings, workers: int = 1) -> None:
     """Once per process and run: fail early on settings this machine cannot run, freeze them, and
-    load what every task of the run shares."""
+    load what every task of the run shares (`workers`: the command's worker processes)."""
     check_training(settings)
     check_machine(settings)
+    if warning := workers_warning(settings, workers):
+        log.warning(warning)
     check_inputs(settings)
     freeze(settings)
     if settings.sampler.engine == "vllm-server":

@@ -98,6 +98,26 @@ def check_machine(settings: RunSettings) -> None:
             raise SettingsError(f"setting {name} = {path!r}: no such file")
 
 
+LOCAL_ENGINES = ("auto", "hf", "vllm")  # engines that every worker process loads for itself
+
+
+def workers_warning(settings: RunSettings, workers: int) -> str | None:
+    """Why `--workers K` would slow this run down: K worker processes each load their own local engine,
+    and K engines share the machine's cores (or GPU) instead of one engine using them all."""
+    engine = settings.sampler.engine
+    if workers <= 1 or engine not in LOCAL_ENGINES:
+        return None
+    if settings.run.device == "cuda":
+        share = f"each taking [sampler] gpu_memory_utilization = {settings.sampler.gpu_memory_utilization} of the GPU"
+    else:
+        share = f"all on this machine's {os.cpu_count()} CPU cores (2 workers on 2 cores sampled 6x slower than 1)"
+    return (
+        f"--workers {workers} with [sampler] engine = {engine}: every worker process loads its own engine, {share}. "
+        "--workers helps when the workers share one sampler ([sampler] engine = vllm-server) and when rounds wait "
+        "on slow tool calls; with a local engine, run --workers 1."
+    )
+
+
 def resolve_model(model: str) -> Path:
     """The local folder of a model setting; never downloads (there may be no hub)."""
     if model == DEFAULT_MODEL:

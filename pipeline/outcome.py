@@ -1,10 +1,11 @@
-"""The last line of a command: what became of the task it names. Done (with where), already complete
-before the command ran, or not done (with the first failure this process saw). Luigi's own summary,
-shown at INFO level, is easy to miss at the WARNING level the configuration sets."""
+"""How a command ends: Luigi's execution summary, then one line for the task it names: done (with where),
+already complete before the command ran, or not done (with the first failure this process saw)."""
 
 from __future__ import annotations
 
 import atexit
+import logging
+import os
 
 import luigi
 import luigi.cmdline_parser
@@ -38,3 +39,19 @@ def outcome(name: str, outputs: list, was_complete: bool) -> str:
         return f"{name}: done -> {where}"
     reason = _failures[0] if _failures else "a task it needs failed or could not run (see the errors above)"
     return f"{name}: not done: {reason}"
+
+
+SUMMARY_HEADER = "===== Luigi Execution Summary ====="
+
+
+class OnlyTheSummaryAtInfo(logging.Filter):
+    """luigi.cfg logs Luigi at INFO for the sake of its execution summary: its other INFO lines (one per task
+    scheduled, started and done) are left out unless RETOOL_DEBUG is set."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (
+            record.levelno != logging.INFO or SUMMARY_HEADER in str(record.msg) or bool(os.environ.get("RETOOL_DEBUG"))
+        )
+
+
+logging.getLogger("luigi-interface").addFilter(OnlyTheSummaryAtInfo())

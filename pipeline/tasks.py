@@ -40,7 +40,7 @@ class RunTask(luigi.Task):
         super().__init__(*args, **kwargs)
         # The run's set-up, once: the command line builds its task here, before Luigi schedules anything or
         # forks worker processes. An evaluation's data file is read here too.
-        open_run(current_settings())
+        open_run(current_settings(), luigi.interface.core().workers)
         self.context.settings
         watch_if_named_on_the_command_line(self)
 

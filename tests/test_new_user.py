@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jobs.data import read_examples
-from jobs.run_setup import freeze
+from jobs.run_setup import freeze, workers_warning
 from jobs.settings import RunSettings, SettingsError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -116,3 +116,15 @@ def test_a_command_ends_with_what_became_of_the_task_it_names(tmp_path):
     output = tmp_path / "default" / "step=0000" / "prompts.parquet"
     assert first.stdout.splitlines()[-1] == f"Prompts(step=0): done -> {output}"
     assert second.stdout.splitlines()[-1].startswith(f"Prompts(step=0): already complete, nothing to do ({output})")
+    # Luigi's execution summary comes before it, without Luigi's per-task lines.
+    assert "===== Luigi Execution Summary =====" in first.stderr and "* 1 ran successfully" in first.stderr
+    assert "* 1 complete ones were encountered" in second.stderr and "Informed scheduler" not in second.stderr
+
+
+def test_workers_that_would_each_load_an_engine_on_one_cpu_are_warned_of(tmp_path):
+    arguments = ["Prompts", "--step", "0", "--run-device", "cpu", "--model-name", "default", "--sampler-engine", "hf"]
+    result = run_cli(*arguments, "--run-runs-dir", str(tmp_path), "--workers", "2")
+    assert result.returncode == 0
+    assert "--workers 2 with [sampler] engine = hf: every worker process loads its own engine" in result.stderr
+    server = RunSettings().changed(run={"device": "cpu"}, sampler={"engine": "vllm-server"})
+    assert workers_warning(server, 2) is None and workers_warning(RunSettings(), 1) is None
