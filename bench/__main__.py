@@ -32,7 +32,9 @@ BENCHMARKS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="Benchmarks: figures, and the configuration behind them.")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench", description="Benchmarks: figures, and the configuration behind them."
+    )
     parser.add_argument("names", nargs="*", help=f"benchmarks to run, of {', '.join(BENCHMARKS)} (default: all)")
     args = parser.parse_args()
     unknown = [name for name in args.names if name not in BENCHMARKS]

@@ -178,9 +178,13 @@ def check_memory_and_throughput(shape: dict, device: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="GPU smoke check of the trainer; figures to one JSON file.")
-    parser.add_argument("--out", type=Path, default=Path("gpu-check.json"))
-    parser.add_argument("--device", default="cuda", help="cpu runs the tiny Qwen3.5 part alone")
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.gpu", description="GPU smoke check of the trainer; figures to one JSON file."
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("gpu-check.json"), help="JSON file for the figures (default: %(default)s)"
+    )
+    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu to run the tiny Qwen3.5 part alone")
     args = parser.parse_args()
     figures = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
     with tempfile.TemporaryDirectory(prefix="retool-gpu-check-") as workdir:

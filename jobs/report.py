@@ -248,7 +248,7 @@ def counted(count: int, noun: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m jobs.report", description=__doc__)
     parser.add_argument("run", type=Path, help="run folder, e.g. runs/cpu-default")
     parser.add_argument("--out", type=Path, help="folder for the plots and report.md (default: RUN/report)")
     args = parser.parse_args()

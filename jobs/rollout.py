@@ -235,13 +235,10 @@ def apply_samples(
     return pendings
 
 
-def fit_tool_content(
-    pending: PendingExecution, content: str, protocol: ChatProtocol, config: RolloutConfig
-) -> tuple[str, list[int]] | None:
-    """The observation and next prompt, with the content cut to its tail so that it holds at most
-    max_tool_response_tokens and the next prompt at most max_trajectory_tokens, both counted on the
-    real tokens. Each retry keeps strictly fewer tokens, so this always ends; None when even the bare
-    truncation marker does not fit."""
+def cut_to_fit(content: str, protocol: ChatProtocol, overflow: Callable[[str], int]) -> str | None:
+    """`content`, or its tail after TRUNCATION_MARKER, holding the most tokens for which `overflow(text)`
+    (tokens over budget) is at most 0, counted on the real tokens. Each retry keeps strictly fewer tokens,
+    so this always ends; None when even the bare truncation marker does not fit."""
     content_ids = protocol.encode(content)
     keep = len(content_ids)
     while True:
@@ -253,18 +250,33 @@ def fit_tool_content(
                 if keep
                 else TRUNCATION_MARKER.rstrip("\n")
             )
-        next_prompt = protocol.build_next_prompt(
-            pending.prompt_tokens, pending.completion_tokens, pending.messages_before_assistant, text, pending.call_id
-        )
-        overflow = max(
-            protocol.count_tokens(text) - config.max_tool_response_tokens,
-            len(next_prompt) - config.max_trajectory_tokens,
-        )
-        if overflow <= 0:
-            return text, next_prompt
+        over = overflow(text)
+        if over <= 0:
+            return text
         if keep == 0:
             return None
-        keep = max(0, min(keep - overflow, keep - 1))
+        keep = max(0, min(keep - over, keep - 1))
+
+
+def fit_tool_content(
+    pending: PendingExecution, content: str, protocol: ChatProtocol, config: RolloutConfig
+) -> tuple[str, list[int]] | None:
+    """The observation and next prompt, with the content cut to its tail so that it holds at most
+    max_tool_response_tokens and the next prompt at most max_trajectory_tokens; None when nothing fits."""
+
+    def next_prompt(text: str) -> list[int]:
+        return protocol.build_next_prompt(
+            pending.prompt_tokens, pending.completion_tokens, pending.messages_before_assistant, text, pending.call_id
+        )
+
+    def overflow(text: str) -> int:
+        return max(
+            protocol.count_tokens(text) - config.max_tool_response_tokens,
+            len(next_prompt(text)) - config.max_trajectory_tokens,
+        )
+
+    text = cut_to_fit(content, protocol, overflow)
+    return None if text is None else (text, next_prompt(text))
 
 
 def finish_advance(

@@ -129,8 +129,10 @@ def main() -> None:
 
     from pipeline.config import current_settings
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--port", type=int, help="default: [sampler] server_port")
+    parser = argparse.ArgumentParser(
+        prog="python -m jobs.serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--port", type=int, help="port to listen on (default: [sampler] server_port)")
     args = parser.parse_args()
     settings = current_settings()
     port = args.port or settings.sampler.server_port

@@ -194,7 +194,9 @@ def write_traces(path: Path, count: int, seed: int, mistake_share: float) -> Non
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m jobs.synthetic", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=Path("data"), help="folder for the data files (default: data)")
     parser.add_argument("--train", type=int, default=512, help="problems in synthetic_train.jsonl")
     parser.add_argument(

@@ -25,7 +25,7 @@ class RunTask(luigi.Task):
     """A stage of one step of one run: a training step, or (with `dataset` set) the evaluation of
     checkpoint `step` (-1: the base model) in its own folder under runs/<run>/eval/."""
 
-    step = luigi.IntParameter()
+    step = luigi.IntParameter(description="training step (an evaluation: the checkpoint; -1 the base model)")
     dataset = luigi.Parameter(default="", description="evaluation data file; empty for training")
     n = luigi.IntParameter(default=0, description="evaluation samples per question")
     mode = luigi.ChoiceParameter(choices=EVAL_MODES, default="retool", description="evaluation mode")
@@ -123,8 +123,8 @@ class Prompts(RunTask):
 
 
 class SampleRound(RunTask):
-    round = luigi.IntParameter()
-    shard = luigi.IntParameter(default=0)
+    round = luigi.IntParameter(description="round of the rollout: the assistant turn, from 0")
+    shard = luigi.IntParameter(default=0, description="shard of the questions, from 0 ([rollout] shards)")
 
     def requires(self):
         state = self.clone(Prompts) if self.round == 0 else self.clone(ExecuteRound, round=self.round - 1)
@@ -143,8 +143,8 @@ class SampleRound(RunTask):
 
 
 class ExecuteRound(RunTask):
-    round = luigi.IntParameter()
-    shard = luigi.IntParameter(default=0)
+    round = luigi.IntParameter(description="round of the rollout: the assistant turn, from 0")
+    shard = luigi.IntParameter(default=0, description="shard of the questions, from 0 ([rollout] shards)")
 
     def requires(self):
         return self.clone(SampleRound)
@@ -216,7 +216,7 @@ class TrainStep(RunTask):
 class ColdStartTask(RunTask):
     """A stage of the run's cold start, before step 0, in runs/<run>/sft/."""
 
-    step = luigi.IntParameter(default=-1, significant=False)
+    step = luigi.IntParameter(default=-1, significant=False, description="not used: the cold start precedes step 0")
 
     @property
     def context(self) -> RunContext:
@@ -261,8 +261,8 @@ class Evaluate(RunTask):
     """Average@N / Pass@N of checkpoint `step` (-1: the base model) on an eval set, in retool or
     text-only mode: summary.parquet in the evaluation's folder, and one printed line."""
 
-    dataset = luigi.Parameter(default="data/synthetic_eval.jsonl")
-    n = luigi.IntParameter(default=4)
+    dataset = luigi.Parameter(default="data/synthetic_eval.jsonl", description="evaluation data file")
+    n = luigi.IntParameter(default=4, description="samples per question")
 
     def requires(self):
         return self.clone(ScoreTrajectories)
@@ -296,8 +296,8 @@ class BeforeAfter(RunTask):
     one) and checkpoint `step` evaluated on the same held-out questions: a before/after table in the
     evaluations' folder, printed, and the run's report with the evaluations."""
 
-    dataset = luigi.Parameter(default="data/synthetic_eval.jsonl")
-    n = luigi.IntParameter(default=4)
+    dataset = luigi.Parameter(default="data/synthetic_eval.jsonl", description="evaluation data file")
+    n = luigi.IntParameter(default=4, description="samples per question")
 
     def evaluations(self) -> list[tuple[str, Evaluate]]:
         policies = (

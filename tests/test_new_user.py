@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import luigi
 import pytest
 
 from jobs.data import read_examples
@@ -128,3 +129,26 @@ def test_workers_that_would_each_load_an_engine_on_one_cpu_are_warned_of(tmp_pat
     assert "--workers 2 with [sampler] engine = hf: every worker process loads its own engine" in result.stderr
     server = RunSettings().changed(run={"device": "cpu"}, sampler={"engine": "vllm-server"})
     assert workers_warning(server, 2) is None and workers_warning(RunSettings(), 1) is None
+
+
+COMMANDS = ("jobs.serve", "jobs.sandbox_cli", "jobs.report", "jobs.synthetic", "bench", "bench.gpu")
+
+
+@pytest.mark.parametrize("module", COMMANDS)
+def test_every_command_line_option_is_described(module):
+    shown = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True)
+    lines = shown.stdout.splitlines()
+    assert lines[0].startswith(f"usage: python -m {module} ")
+    for line, after in zip(lines, lines[1:] + [""]):
+        option_alone = line.startswith("  -") and "  " not in line.strip()
+        assert not option_alone or after.startswith(" " * 8), f"{module}: {line.strip()} has no help text"
+
+
+def test_every_task_parameter_is_described():
+    import pipeline
+
+    tasks = [value for value in vars(pipeline).values() if isinstance(value, type) and issubclass(value, luigi.Task)]
+    assert len(tasks) == 11
+    for task in tasks:
+        for name, parameter in task.get_params():
+            assert parameter.description, f"{task.__name__} --{name.replace('_', '-')} has no description"

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.protocol import neutralise
+from jobs.protocol import load_tokenizer, neutralise
+from jobs.rollout import TRUNCATION_MARKER
 from jobs.sandbox import Sandbox, SandboxConfig
 
 
@@ -183,6 +184,18 @@ def test_command_line_prints_the_observation(tmp_path):
         [sys.executable, "-m", "jobs.sandbox_cli", str(script), "--json"], capture_output=True, text=True, check=True
     )
     assert json.loads(as_json.stdout)["status"] == "ok"
+
+
+def test_command_line_cuts_the_message_to_the_tokens_the_model_would_see(tmp_path, tiny_model_dir):
+    script = tmp_path / "loud.py"
+    script.write_text("for i in range(2000):\n    print(i)")
+    command = [sys.executable, "-m", "jobs.sandbox_cli", str(script), "--tokenizer", str(tiny_model_dir)]
+    shown = subprocess.run([*command, "--max-tokens", "40"], capture_output=True, text=True, check=True).stdout
+    tokenizer = load_tokenizer(tiny_model_dir)
+    assert shown.startswith(TRUNCATION_MARKER) and shown.endswith("1998\n1999\n")
+    assert len(tokenizer(shown.removesuffix("\n"), add_special_tokens=False)["input_ids"]) <= 40
+    whole = subprocess.run(command[:4], capture_output=True, text=True, check=True).stdout
+    assert "\n1000\n" in whole and whole.endswith("1999\n")  # no tokenizer: the sandbox's whole message
 
 
 def test_bad_config_is_rejected():
