@@ -277,8 +277,8 @@ class Evaluate(RunTask):
 
 
 class Report(RunTask):
-    """Plots and a Markdown summary of the run up to training step `step`, under
-    runs/<run>/report/step=NNNN/ (`python -m jobs.report runs/NAME` does the same by hand)."""
+    """Once training step `step` is done: plots and a Markdown summary of everything the run folder holds
+    (later steps too, if any), under runs/<run>/report/step=NNNN/ (`python -m jobs.report runs/NAME` by hand)."""
 
     def requires(self):
         return TrainStep(step=self.step)
