@@ -51,9 +51,11 @@ def _note(axis: Axes, lines: list[str]) -> None:
     )
 
 
-def _draw_series(axis: Axes, steps: list, series: dict[str, list], empty_because: str) -> None:
-    """One line per series that has a value; a series with none is named in a note, not left in the legend
-    as an entry without a line."""
+def _draw_series(axis: Axes, metrics: pl.DataFrame, columns: dict[str, str], empty_because: str) -> None:
+    """One line per metrics column (label -> column) that has a value; a column with none is named in a
+    note, not left in the legend as an entry without a line."""
+    steps = _column(metrics, "step")
+    series = {label: _column(metrics, column) for label, column in columns.items()}
     drawn = {label: values for label, values in series.items() if steps and _has_values(values)}
     for (label, values), (marker, linestyle) in zip(drawn.items(), cycle(STYLES)):
         axis.plot(steps, values, marker=marker, linestyle=linestyle, label=label)
@@ -66,42 +68,34 @@ def _draw_series(axis: Axes, steps: list, series: dict[str, list], empty_because
     axis.grid(alpha=0.3)
 
 
+def _per_step(metrics: pl.DataFrame, columns: dict[str, str], empty_because: str, size=(7, 4), **axis_set) -> Figure:
+    """A figure of metrics columns by training step."""
+    figure, axis = plt.subplots(figsize=size, layout="constrained")
+    _draw_series(axis, metrics, columns, empty_because)
+    axis.set(xlabel="training step", **axis_set)
+    return figure
+
+
 def _column(frame: pl.DataFrame, name: str) -> list:
     return frame[name].to_list() if name in frame.columns else [float("nan")] * frame.height
 
 
 def plot_reward(metrics: pl.DataFrame) -> Figure:
-    figure, axis = plt.subplots(figsize=(7, 4), layout="constrained")
-    series = {
-        "reward mean (±1)": _column(metrics, "reward_mean"),
-        "correct": _column(metrics, "correct"),
-        "valid \\boxed{} format": _column(metrics, "format"),
-    }
-    _draw_series(axis, _column(metrics, "step"), series, "not recorded")
-    axis.set(title="Reward, accuracy and format", xlabel="training step", ylabel="value", ylim=(-1.05, 1.05))
-    return figure
+    columns = {"reward mean (±1)": "reward_mean", "correct": "correct", "valid \\boxed{} format": "format"}
+    return _per_step(
+        metrics, columns, "not recorded", title="Reward, accuracy and format", ylabel="value", ylim=(-1.05, 1.05)
+    )
 
 
 def plot_tool_use(metrics: pl.DataFrame) -> Figure:
-    figure, axis = plt.subplots(figsize=(7, 4), layout="constrained")
-    series = {
-        "valid tool-call rate": _column(metrics, "valid_tool_call_rate"),
-        "code calls": _column(metrics, "code_calls"),
-        "assistant turns": _column(metrics, "turns"),
-    }
-    _draw_series(axis, _column(metrics, "step"), series, "no tool calls")
-    axis.set(title="Tool use per trajectory", xlabel="training step", ylabel="mean")
-    return figure
+    columns = {"valid tool-call rate": "valid_tool_call_rate", "code calls": "code_calls", "assistant turns": "turns"}
+    return _per_step(metrics, columns, "no tool calls", title="Tool use per trajectory", ylabel="mean")
 
 
 def plot_sandbox(metrics: pl.DataFrame, errors: pl.DataFrame) -> Figure:
     figure, (rates, kinds) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
-    outcomes = {
-        "ok": _column(metrics, "sandbox_ok_rate"),
-        "error": _column(metrics, "sandbox_error_rate"),
-        "timeout": _column(metrics, "sandbox_timeout_rate"),
-    }
-    _draw_series(rates, _column(metrics, "step"), outcomes, "no sandbox calls")
+    outcomes = {outcome: f"sandbox_{outcome}_rate" for outcome in ("ok", "error", "timeout")}
+    _draw_series(rates, metrics, outcomes, "no sandbox calls")
     rates.set(title="Sandbox outcome rates", xlabel="training step", ylabel="share of calls", ylim=(-0.05, 1.05))
     if errors.height:
         names = [_shortened(name, 28) for name in errors["error"].to_list()]
@@ -153,15 +147,8 @@ def plot_eval(evals: pl.DataFrame) -> Figure:
 
 def plot_learning_curve(metrics: pl.DataFrame) -> Figure:
     """Reward mean and degenerate-group rate per RL step: is the policy learning, and is there signal?"""
-    figure, axis = plt.subplots(figsize=(6.4, 3.6), layout="constrained")
-    series = {
-        "reward mean": _column(metrics, "reward_mean"),
-        "correct": _column(metrics, "correct"),
-        "degenerate-group rate": _column(metrics, "degenerate_group_rate"),
-    }
-    _draw_series(axis, _column(metrics, "step"), series, "not recorded")
-    axis.set(title="RL after the cold start", xlabel="training step", ylim=(-1.05, 1.05))
-    return figure
+    columns = {"reward mean": "reward_mean", "correct": "correct", "degenerate-group rate": "degenerate_group_rate"}
+    return _per_step(metrics, columns, "not recorded", (6.4, 3.6), title="RL after the cold start", ylim=(-1.05, 1.05))
 
 
 def save(figure: Figure, path: Path) -> None:
