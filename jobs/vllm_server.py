@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -117,19 +116,15 @@ class ServerSampler:
         self.wake()
         if self._pool_pid != os.getpid():  # made here, not inherited: a forked process has none of its threads
             self._pool, self._pool_pid = ThreadPoolExecutor(max_workers=self._workers), os.getpid()
-        sampled_tokens, counting = 0, threading.Lock()  # replies arrive on the pool's threads
-
-        def sample_and_count(request: SampleRequest) -> list[SampledSequence]:
-            nonlocal sampled_tokens
-            sequences = self._sample_one(request, settings)
-            with counting:
+        replies, sampled_tokens = [], 0
+        with sampling_progress(sum(request.num_samples for request in requests)) as progress:
+            # Counted in the requests' order, as map hands the replies back.
+            for sequences in self._pool.map(lambda request: self._sample_one(request, settings), requests):
+                replies.append(sequences)
                 sampled_tokens += sum(len(sequence.tokens) for sequence in sequences)
                 set_tokens(progress, sampled_tokens)
                 progress.update(len(sequences))
-            return sequences
-
-        with sampling_progress(sum(request.num_samples for request in requests)) as progress:
-            return list(self._pool.map(sample_and_count, requests))
+        return replies
 
     def _sample_one(self, request: SampleRequest, settings: SamplingSettings) -> list[SampledSequence]:
         body = {
