@@ -153,12 +153,12 @@ class VLLMSampler:
             )
             for request in requests
         ]
-        sequences = sum(request.num_samples for request in requests)
+        total_sequences = sum(request.num_samples for request in requests)
 
         def progress(requests_to_add=None, **_):
             """vLLM asks for a bar around adding the requests (none: that is quick), then for one that it sizes
             in requests but advances by each request's samples (ours counts sequences)."""
-            return requests_to_add if requests_to_add is not None else sampling_progress(sequences)
+            return requests_to_add if requests_to_add is not None else sampling_progress(total_sequences)
 
         outputs = self.llm.generate(prompts, params, use_tqdm=progress, lora_request=self.lora_request)
         replies = []
