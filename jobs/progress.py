@@ -27,11 +27,21 @@ class _WholeLines(io.TextIOBase):
         return len(text)
 
 
+class _LogBar(tqdm):
+    """Quiet until `delay` has passed, even when the caller forces a refresh (vLLM does so once its count
+    reaches the number of requests), so that a short call leaves no line in the log."""
+
+    def refresh(self, *args, **kwargs):
+        if self.delay > 0 and self._time() < self.start_t + self.delay:
+            return False
+        return super().refresh(*args, **kwargs)
+
+
 def sampling_progress(total_sequences: int, what: str = "sampling") -> tqdm:
     """A bar to `update(sequences)` as sequences finish; `set_tokens(bar, n)` adds the tokens sampled so far."""
     if sys.stderr.isatty():
         return tqdm(total=total_sequences, desc=what, unit="seq", leave=False, dynamic_ncols=True)
-    return tqdm(
+    return _LogBar(
         total=total_sequences,
         desc=what,
         file=_WholeLines(sys.stderr),

@@ -136,6 +136,8 @@ def test_full_weights_and_an_adapter_over_them_are_served_exactly(engine, tiny_m
 def test_progress_counts_sequences_in_lines_when_stderr_is_not_a_terminal(engine, capsys, monkeypatch):
     import jobs.progress
 
+    engine.sample(requests(), SamplingSettings())
+    assert "sampling: " not in capsys.readouterr().err  # a call shorter than LOG_EVERY_SECONDS leaves no line
     monkeypatch.setattr(jobs.progress, "LOG_EVERY_SECONDS", 0.0)
     engine.sample(requests(), SamplingSettings())
     lines = capsys.readouterr().err.splitlines()
