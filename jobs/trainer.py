@@ -9,19 +9,22 @@ GPU); each process takes every K-th micro-batch and gradients are summed before 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 
 from jobs.checkpoints import restore_rng, save_checkpoint
 from jobs.datums import Datum
+from jobs.losses import token_logprobs, token_loss
 from jobs.memory_plan import check_plan, model_shape, plan_step
 from jobs.packing import MicroBatch, loss_token_weights, pack_micro_batches
 from jobs.trainer_config import StepMetrics, TrainerConfig, resolved_dtype
@@ -91,6 +94,7 @@ def _micro_batch_tensors(
         "input_ids": padded([d.input_tokens for d in rows], 0, torch.long),
         "attention_mask": padded([[1] * d.num_tokens for d in rows], 0, torch.long),
         "targets": padded([d.target_tokens for d in rows], 0, torch.long),
+        "loss_mask": padded([d.loss_mask for d in rows], False, torch.bool),
         "old_logprobs": padded([d.old_logprobs for d in rows], 0.0, torch.float32),
         "advantages": padded([d.advantages for d in rows], 0.0, torch.float32),
         "weights": padded(
@@ -99,65 +103,52 @@ def _micro_batch_tensors(
     }
 
 
-def _target_logprobs(lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(lm_head(hidden).float(), dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+@dataclass
+class PolicyPass:
+    """What one pass over this process's micro-batches saw on their loss tokens, micro-batch by micro-batch."""
+
+    logprobs: list[torch.Tensor]  # the policy's logprob of each loss token (detached)
+    entropies: list[torch.Tensor]  # the entropy of its next-token distribution there
+    sampler_logprobs: list[torch.Tensor]  # the sampler's logprob of the same tokens
+    loss: float = 0.0  # weighted loss summed over the pass (gradient passes only)
+    clipped: int = 0  # loss tokens where the PPO clip was active (gradient passes only)
 
 
-def token_logprobs(
+def policy_pass(
     model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    targets: torch.Tensor,
-    where: torch.Tensor | None = None,
-    chunk_tokens: int = 1024,
-) -> torch.Tensor:
-    """Logprob of each target; with `where`, only at those positions (0 elsewhere): the output layer
-    and its softmax over the whole vocabulary then run on the loss tokens alone, which on a small
-    model is most of the step's cost, `chunk_tokens` at a time. Under autograd each chunk's logits
-    are recomputed in the backward pass rather than kept, so no [loss tokens x vocabulary] tensor of
-    a whole micro-batch is ever alive (a 248k vocabulary makes that gigabytes)."""
-    if where is None:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits.float()
-        return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT injects LoRA in place
-    hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-    hidden, chosen = hidden[where], targets[where]
-    pieces = []
-    for start in range(0, hidden.shape[0], chunk_tokens):
-        chunk = (causal_lm.lm_head, hidden[start : start + chunk_tokens], chosen[start : start + chunk_tokens])
-        if torch.is_grad_enabled():
-            pieces.append(torch.utils.checkpoint.checkpoint(_target_logprobs, *chunk, use_reentrant=False))
-        else:
-            pieces.append(_target_logprobs(*chunk))
-    selected = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
-    return torch.zeros(targets.shape, dtype=selected.dtype, device=selected.device).masked_scatter(where, selected)
-
-
-def ppo_token_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, config: TrainerConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate loss and where clipping was active. With TIS, the ratio is taken
-    against the trainer's own (detached) logprobs and each token is reweighted by the capped
-    trainer/sampler ratio, correcting for the sampler's numerical drift."""
-    if config.tis_cap > 0:
-        ratio = torch.exp(logprobs - logprobs.detach())
-        correction = torch.clamp(torch.exp(logprobs.detach() - old_logprobs), max=config.tis_cap)
-    else:
-        ratio = torch.exp(logprobs - old_logprobs)
-        correction = torch.ones_like(ratio)
-    clipped_ratio = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
-    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages) * correction
-    clipped = (ratio * advantages > clipped_ratio * advantages).detach()
-    return loss, clipped
-
-
-def token_loss(
-    logprobs: torch.Tensor, tensors: dict[str, torch.Tensor], config: TrainerConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss of the configured objective, and where PPO clipping was active."""
-    if config.objective == "sft":
-        return -logprobs, torch.zeros_like(logprobs, dtype=torch.bool)
-    return ppo_token_loss(logprobs, tensors["old_logprobs"], tensors["advantages"], config)
+    datums: list[Datum],
+    batches: list[MicroBatch],
+    config: TrainerConfig,
+    device: str = "cpu",
+    weights: list[float] | None = None,
+) -> PolicyPass:
+    """One pass over this process's share of the micro-batches. With `weights` it backpropagates the
+    loss (gradients add up in .grad); without, it only measures, under no_grad."""
+    rank, world = _rank_and_world()
+    seen = PolicyPass([], [], [])
+    for batch in batches[rank::world]:
+        tensors = _micro_batch_tensors(datums, batch, weights or [0.0] * len(datums), device)
+        mask = tensors["loss_mask"]
+        autocast = torch.autocast(torch.device(device).type, torch.bfloat16, enabled=config.autocast_bfloat16)
+        with torch.set_grad_enabled(weights is not None), autocast:
+            logprobs, entropy = token_logprobs(
+                model,
+                tensors["input_ids"],
+                tensors["attention_mask"],
+                tensors["targets"],
+                mask,
+                config.logprob_chunk_tokens,
+                with_entropy=True,
+            )
+            if weights is not None:
+                loss, clipped = token_loss(logprobs, tensors["old_logprobs"], tensors["advantages"], config)
+                (loss * tensors["weights"]).sum().backward()
+                seen.loss += float((loss.detach() * tensors["weights"]).sum())
+                seen.clipped += int(clipped[mask].sum())
+        seen.logprobs.append(logprobs.detach()[mask])
+        seen.entropies.append(entropy[mask])
+        seen.sampler_logprobs.append(tensors["old_logprobs"][mask])
+    return seen
 
 
 def accumulate_gradients(
@@ -167,37 +158,66 @@ def accumulate_gradients(
     weights: list[float],
     config: TrainerConfig,
     device: str = "cpu",
-) -> torch.Tensor:
-    """Backward over this process's share of the micro-batches; gradients add up in .grad. Returns
-    sums over its loss tokens: loss, clipped tokens, |logprob gap|, k3 KL, loss tokens (the gap and
-    KL against the sampler's logprobs, which supervised data does not have: 0 for sft)."""
-    rank, world = _rank_and_world()
-    totals = torch.zeros(5, dtype=torch.float64, device=device)
-    for batch in batches[rank::world]:
-        tensors = _micro_batch_tensors(datums, batch, weights, device)
-        mask = tensors["weights"] > 0
-        logprobs = token_logprobs(
-            model,
-            tensors["input_ids"],
-            tensors["attention_mask"],
-            tensors["targets"],
-            mask,
-            config.logprob_chunk_tokens,
-        )
-        loss, clipped = token_loss(logprobs, tensors, config)
-        (loss * tensors["weights"]).sum().backward()
-        sampled = logprobs.detach() if config.objective == "ppo" else tensors["old_logprobs"]
-        log_ratio = (sampled - tensors["old_logprobs"])[mask]
-        totals += torch.stack(
-            [
-                (loss.detach() * tensors["weights"]).sum(),
-                clipped[mask].sum(),
-                log_ratio.abs().sum(),
-                (torch.exp(log_ratio) - 1 - log_ratio).sum(),
-                mask.sum(),
-            ]
-        ).to(totals)
-    return totals
+) -> PolicyPass:
+    """Backward over this process's share of the micro-batches; gradients add up in .grad."""
+    return policy_pass(model, datums, batches, config, device, weights)
+
+
+def _summed_over_processes(sums: dict[str, float], device: str) -> dict[str, float]:
+    """Each process measured its own micro-batches: the step's figures are the sums over all of them."""
+    if _rank_and_world()[1] == 1:
+        return sums
+    values = torch.tensor(list(sums.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return dict(zip(sums, values.tolist()))
+
+
+def drift_sums(before: PolicyPass, after: PolicyPass | None, config: TrainerConfig) -> dict[str, float]:
+    """Sums over loss tokens of the step's diagnostics. Sampler vs trainer before the update: |gap| and
+    the k3 estimate of KL(sampler || trainer). Before vs after the update, on tokens drawn from the policy
+    before it: the k1 and k3 estimates of KL(before || after), and the tokens whose ratio after/before
+    left the clip range."""
+    old = torch.cat(before.logprobs) if before.logprobs else torch.zeros(0)
+    sampler = torch.cat(before.sampler_logprobs) if before.logprobs else torch.zeros(0)
+    gap = old - sampler if config.objective == "ppo" else torch.zeros_like(old)  # supervised data has no sampler
+    sums = {
+        "tokens": float(old.numel()),
+        "entropy": float(torch.cat(before.entropies).sum()) if before.entropies else 0.0,
+        "gap": float(gap.abs().sum()),
+        "kl_sampler": float((torch.exp(gap) - 1 - gap).sum()),
+        "kl_k1": 0.0,
+        "kl_k3": 0.0,
+        "outside_clip": 0.0,
+    }
+    if after is not None and after.logprobs:
+        log_ratio = torch.cat(after.logprobs) - old  # log pi_after / pi_before
+        ratio = torch.exp(log_ratio)
+        sums["kl_k1"] = float(-log_ratio.sum())
+        sums["kl_k3"] = float((ratio - 1 - log_ratio).sum())
+        sums["outside_clip"] = float(((ratio < 1 - config.clip_low) | (ratio > 1 + config.clip_high)).sum())
+    return sums
+
+
+def mini_batches(num_datums: int, count: int) -> list[list[int]]:
+    """The datums of each PPO mini-batch: every `count`-th, so that each mixes the step's groups."""
+    return [members for m in range(count) if (members := list(range(m, num_datums, count)))]
+
+
+def _update(model, optimizer, parameters, chosen, config, num_samples, device) -> tuple[PolicyPass, float]:
+    """One optimizer step on the `chosen` datums; what its gradient pass saw, and the gradient norm."""
+    batches = pack_micro_batches([d.num_tokens for d in chosen], config.micro_batch_items, config.micro_batch_tokens)
+    weights = loss_token_weights([d.loss_tokens for d in chosen], config.loss_aggregation, num_samples)
+    optimizer.zero_grad(set_to_none=True)
+    seen = accumulate_gradients(model, chosen, batches, weights, config, device)
+    if _rank_and_world()[1] > 1:
+        for parameter in parameters:
+            if parameter.grad is None:  # this process had no micro-batch
+                parameter.grad = torch.zeros_like(parameter)
+            dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return seen, grad_norm
 
 
 def train_step(
@@ -209,53 +229,53 @@ def train_step(
     device: str = "cpu",
     zero_variance_groups: int = 0,
 ) -> StepMetrics:
-    """Exactly one optimizer step over all datums of a training step (none if there are none)."""
+    """`ppo_epochs` x `ppo_mini_batches` optimizer steps over a training step's datums (none if there are
+    none), then, for PPO, a no-grad pass of the updated weights that measures how far the policy moved."""
     started = time.perf_counter()
     parameters = [p for p in model.parameters() if p.requires_grad]
-    batches = (
-        pack_micro_batches([d.num_tokens for d in datums], config.micro_batch_items, config.micro_batch_tokens)
-        if datums
-        else []
-    )
-    num_samples = len(datums) if config.filter_zero_variance_groups else num_trajectories
-    weights = loss_token_weights([d.loss_tokens for d in datums], config.loss_aggregation, max(num_samples, 1))
     model.train()
-    optimizer.zero_grad(set_to_none=True)
-    totals = accumulate_gradients(model, datums, batches, weights, config, device)
-    if _rank_and_world()[1] > 1:
-        for parameter in parameters:
-            if parameter.grad is None:  # this process had no micro-batch
-                parameter.grad = torch.zeros_like(parameter)
-            dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)
-    grad_norm = 0.0
-    if datums:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm))
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    groups = mini_batches(len(datums), config.ppo_mini_batches)
+    whole = pack_micro_batches([d.num_tokens for d in datums], config.micro_batch_items, config.micro_batch_tokens)
+    # A single update sees the policy it starts from in its own gradient pass; several need a pass before them.
+    single = len(groups) * config.ppo_epochs == 1
+    before = None if single or not datums else policy_pass(model, datums, whole, config, device)
+    samples = max(len(datums) if config.filter_zero_variance_groups else num_trajectories, 1)
+    loss, clipped, grad_norms = 0.0, 0, []
+    for _ in range(config.ppo_epochs):
+        for members in groups:
+            share = samples * len(members) / len(datums)  # sample_mean's denominator: this mini-batch's part
+            seen, grad_norm = _update(model, optimizer, parameters, [datums[i] for i in members], config, share, device)
+            before = before or seen
+            loss, clipped = loss + seen.loss / (len(groups) * config.ppo_epochs), clipped + seen.clipped
+            grad_norms.append(grad_norm)
+    after = policy_pass(model, datums, whole, config, device) if config.objective == "ppo" and datums else None
+    sums = _summed_over_processes(
+        {"loss": loss, "clipped": clipped, **drift_sums(before or PolicyPass([], [], []), after, config)}, device
+    )
     seconds = time.perf_counter() - started
-    loss_tokens = int(totals[4])
-    real_tokens = sum(d.num_tokens for d in datums)
+    tokens, real_tokens = max(sums["tokens"], 1.0), sum(d.num_tokens for d in datums)
     return StepMetrics(
         datums=len(datums),
         trajectories=num_trajectories,
         zero_variance_groups=zero_variance_groups,
-        loss_tokens=loss_tokens,
+        updates=len(grad_norms),
+        loss_tokens=int(sums["tokens"]),
         tokens=real_tokens,
-        padded_tokens=sum(b.padded_tokens for b in batches),
-        micro_batches=len(batches),
-        loss=float(totals[0]),
-        grad_norm=grad_norm,
-        clip_fraction=float(totals[1]) / max(loss_tokens, 1),
-        logprob_gap=float(totals[2]) / max(loss_tokens, 1),
-        kl_sampler_trainer=float(totals[3]) / max(loss_tokens, 1),
+        padded_tokens=sum(b.padded_tokens for b in whole),
+        micro_batches=len(whole),
+        loss=sums["loss"],
+        grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
+        clip_fraction=sums["clipped"] / (tokens * config.ppo_epochs),
+        logprob_gap=sums["gap"] / tokens,
+        kl_sampler_trainer=sums["kl_sampler"] / tokens,
+        entropy=sums["entropy"] / tokens,
+        kl_k1=sums["kl_k1"] / tokens,
+        kl_k3=sums["kl_k3"] / tokens,
+        ratio_outside_clip=sums["outside_clip"] / tokens,
         seconds=seconds,
         tokens_per_second=real_tokens / seconds if seconds > 0 else 0.0,
         skipped=not datums,
     )
-
-
-# -- checkpoints -------------------------------------------------------------------------------------
 
 
 # -- one step from files, in-process or under torchrun ------------------------------------------------
@@ -285,9 +305,21 @@ def train_from_files(
             save_checkpoint(out, model, optimizer, metrics, config, base_model)
     finally:
         del model, optimizer
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()  # the sampler in this process gets the memory back
+        release_memory(device)
     return metrics
+
+
+def release_memory(device: str) -> None:
+    """After training, the sampler in this process gets the memory back: CUDA's cached blocks, or on a CPU
+    the heap that glibc keeps for reuse once tensors are freed (gigabytes after a training step)."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
+        pass
 
 
 class PolicySyncError(RuntimeError):

@@ -13,16 +13,11 @@ from safetensors.torch import load_file
 
 from jobs.checkpoints import prune_checkpoints, save_checkpoint
 from jobs.datums import Datum
+from jobs.losses import token_logprobs
 from jobs.packing import loss_token_weights, pack_micro_batches
 from jobs.stages.rollout import datums_from_table
 from jobs.tables import DATUMS, table_from_rows, write_table_atomically
-from jobs.trainer import (
-    TrainerConfig,
-    accumulate_gradients,
-    load_policy,
-    token_logprobs,
-    train_step,
-)
+from jobs.trainer import TrainerConfig, accumulate_gradients, load_policy, train_step
 
 CONFIG = TrainerConfig(lora_rank=8, lora_alpha=16, learning_rate=5e-3, gradient_checkpointing=False)
 
@@ -127,6 +122,46 @@ def test_packing_is_first_fit_decreasing_within_bounds():
     assert batches[0].indices[0] == 5  # the longest goes first
     assert sum(b.padded_tokens for b in batches) >= sum(lengths)
     assert pack_micro_batches([500], 4, 100)[0].indices == (0,)  # too long: alone
+
+
+def loss_token_distributions(model, datums):
+    """Log-softmax over the vocabulary at each loss token, and the targets there, from a plain forward pass."""
+    rows = []
+    with torch.no_grad():
+        for datum in datums:
+            logits = model(input_ids=torch.tensor([datum.input_tokens])).logits[0].float()
+            mask = torch.tensor(datum.loss_mask)
+            rows.append((torch.log_softmax(logits, dim=-1)[mask], torch.tensor(datum.target_tokens)[mask]))
+    return rows
+
+
+@pytest.mark.parametrize("mini_batches", [1, 2])
+def test_entropy_and_kl_of_a_step_match_a_direct_computation(tiny_model_dir, mini_batches):
+    config = replace(CONFIG, ppo_mini_batches=mini_batches)
+    model, optimizer = load_policy(tiny_model_dir, None, config)
+    datums = on_policy_datums(model)
+    before = loss_token_distributions(model, datums)
+    metrics = train_step(model, optimizer, datums, config, num_trajectories=2)
+    after = loss_token_distributions(model, datums)
+    entropy = torch.cat([-(lp.exp() * lp).sum(-1) for lp, _ in before]).mean()
+    chosen = [torch.cat([lp.gather(-1, t[:, None])[:, 0] for lp, t in rows]) for rows in (before, after)]
+    log_ratio = chosen[1] - chosen[0]
+    assert metrics.updates == mini_batches and metrics.loss_tokens == 24
+    assert metrics.entropy == pytest.approx(float(entropy), rel=1e-4)  # of the policy before any update
+    assert metrics.kl_k1 == pytest.approx(float(-log_ratio.mean()), rel=1e-3, abs=1e-7)
+    assert metrics.kl_k3 == pytest.approx(float((log_ratio.exp() - 1 - log_ratio).mean()), rel=1e-3, abs=1e-8)
+    assert metrics.kl_k3 > 1e-4  # the step moved the policy (lr 5e-3)
+    outside = ((log_ratio.exp() < 0.8) | (log_ratio.exp() > 1.28)).float().mean()
+    assert metrics.ratio_outside_clip == pytest.approx(float(outside))
+    assert metrics.logprob_gap < 1e-5  # the datums' old logprobs are the policy's own
+
+
+def test_later_mini_batches_are_off_policy_and_the_clip_bounds_them(tiny_model_dir):
+    config = replace(CONFIG, learning_rate=3e-2, ppo_mini_batches=2, ppo_epochs=2)
+    model, optimizer = load_policy(tiny_model_dir, None, config)
+    metrics = train_step(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
+    assert metrics.updates == 4 and metrics.clip_fraction > 0  # the first update moved the policy past the clip
+    assert metrics.ratio_outside_clip > 0
 
 
 def test_loss_weights_give_the_documented_means():
@@ -247,7 +282,7 @@ def test_the_shipped_ppo_settings_are_the_seeds_recipe():
 
 
 def test_the_ratio_is_clipped_to_the_shipped_range():
-    from jobs.trainer import ppo_token_loss
+    from jobs.losses import ppo_token_loss
 
     config = TrainerConfig()
     ratios = torch.tensor([0.5, 0.9, 1.1, 1.5])
@@ -267,7 +302,9 @@ def test_filtering_zero_variance_groups_averages_over_datums_only(tiny_model_dir
     datums = [replace(d, advantages=[abs(a) for a in d.advantages]) for d in datums]  # same sign: a non-zero loss
     losses = {}
     for filtered in (False, True):
-        config = replace(CONFIG, filter_zero_variance_groups=filtered, learning_rate=1e-9)
+        config = replace(
+            CONFIG, loss_aggregation="sample_mean", filter_zero_variance_groups=filtered, learning_rate=1e-9
+        )
         model, optimizer = load_policy(tiny_model_dir, None, config)
         losses[filtered] = train_step(model, optimizer, datums, config, num_trajectories=10).loss
     assert losses[True] == pytest.approx(losses[False] * 5, rel=1e-4)  # 2 datums of 10 trajectories
@@ -282,9 +319,9 @@ def step_gradients(tiny_model_dir, config):
     datums = [
         replace(d, old_logprobs=[v - 0.1 if m else 0.0 for v, m in zip(d.old_logprobs, d.loss_mask)]) for d in datums
     ]
-    totals = accumulate_gradients(model, datums, batches, weights, config)
+    seen = accumulate_gradients(model, datums, batches, weights, config)
     gradients = {name: p.grad.float().clone() for name, p in model.named_parameters() if p.requires_grad}
-    return float(totals[0]), gradients
+    return seen.loss, gradients
 
 
 def test_chunked_logprobs_and_checkpointing_give_the_same_loss_and_gradients(tiny_model_dir):
