@@ -75,6 +75,7 @@ class Trajectory:
     correct: bool = False
     extracted_answer: str | None = None
     advantage: float | None = None  # reward minus the group's mean reward
+    kept: bool = True  # its group trains this step (see keep_groups)
 
     def end(self, stop_reason: str, final_text: str | None = None) -> None:
         """Ends the trajectory; without an explicit text the last assistant text is scored."""
@@ -331,6 +332,23 @@ def assign_group_advantages(trajectories: Sequence[Trajectory]) -> None:
         mean = sum(t.reward for t in group) / len(group)
         for trajectory in group:
             trajectory.advantage = trajectory.reward - mean
+
+
+def keep_groups(trajectories: Sequence[Trajectory], limit: int | None) -> None:
+    """Dynamic sampling (DAPO): with a `limit`, only the groups whose answers differ in correctness
+    train, the first `limit` of them in question order; the others are drawn but not kept. Correctness,
+    not reward: a group that differs only in a shaped part of the reward has nothing to teach about the
+    answer. Without a limit every group is kept."""
+    groups: dict[int, list[Trajectory]] = defaultdict(list)
+    for trajectory in trajectories:
+        groups[trajectory.question_index].append(trajectory)
+    kept = 0
+    for _, group in sorted(groups.items()):
+        mixed = len({t.correct for t in group}) > 1
+        keep = limit is None or (mixed and kept < limit)
+        kept += keep
+        for trajectory in group:
+            trajectory.kept = keep
 
 
 def zero_variance_groups(question_rewards: Iterable[tuple[int, float]]) -> int:

@@ -53,6 +53,9 @@ class RolloutConfig:
     seed: int = 42  # base of every sampling seed (see sample_seed)
     trainer_max_tokens: int = 8192  # the trainer's context; trajectories must fit it
     shards: int = 1  # independent chains of round files per step (the pipeline's unit of parallel work)
+    # An evaluation's trajectories per shard, at most (0: [rollout] shards). One worker runs a shard's rounds
+    # one after another, so an engine whose KV cache holds a shard reuses its prompts' cache in the next round.
+    eval_shard_sequences: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -69,6 +72,8 @@ class RolloutConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"RolloutConfig.{name} must be a positive integer, got {value!r}")
+        if self.eval_shard_sequences < 0:
+            raise ValueError(f"RolloutConfig.eval_shard_sequences must be >= 0, got {self.eval_shard_sequences}")
         if self.max_trajectory_tokens > self.trainer_max_tokens:
             raise ValueError(
                 f"RolloutConfig.max_trajectory_tokens={self.max_trajectory_tokens} exceeds the trainer's context "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from jobs.data import MathExample, read_examples, shuffled, take_batch
 from jobs.evaluation import EVAL_MODES
-from jobs.rollout_config import SEED_FIELDS
+from jobs.rollout_config import SEED_FIELDS, RolloutConfig
 from jobs.run_setup import resolve_model
 from jobs.settings import RunSettings, SettingsError
 
@@ -80,17 +80,23 @@ def rollout_settings(settings: RunSettings, evaluation: EvalSpec | None) -> RunS
         settings.rollout,
         seed=settings.rollout.seed ^ 0x8000,  # evaluation draws apart from training's draws
         group_size=evaluation.n,
-        shards=min(settings.rollout.shards, questions),
+        shards=evaluation_shards(settings.rollout, questions, evaluation.n),
         max_assistant_turns=1 if text_only else settings.rollout.max_assistant_turns,
         temperature=settings.rollout.temperature if evaluation.temperature is None else evaluation.temperature,
         top_p=settings.rollout.top_p if evaluation.top_p is None else evaluation.top_p,
     )
     return replace(
         settings,
-        data=replace(settings.data, train=evaluation.dataset, questions_per_step=questions),
+        data=replace(settings.data, train=evaluation.dataset, questions_per_step=questions, questions_drawn=0),
         rollout=rollout,
         model=replace(settings.model, use_tools=not text_only),
     )
+
+
+def evaluation_shards(rollout: RolloutConfig, questions: int, n: int) -> int:
+    """The shards of an evaluation: the run's, or enough that none holds over eval_shard_sequences trajectories."""
+    wanted = -(-questions * n // rollout.eval_shard_sequences) if rollout.eval_shard_sequences else rollout.shards
+    return max(1, min(max(wanted, rollout.shards), questions))
 
 
 def step_folder(settings: RunSettings, step: int, evaluation: EvalSpec | None = None) -> Path:
@@ -137,4 +143,4 @@ def step_examples(settings: RunSettings, step: int, evaluation: EvalSpec | None)
     if evaluation is not None:
         return evaluation.examples()
     data = settings.data
-    return take_batch(shuffled(_examples(data.train), data.seed), step, data.questions_per_step)
+    return take_batch(shuffled(_examples(data.train), data.seed), step, data.questions_rolled_out)

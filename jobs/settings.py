@@ -69,11 +69,29 @@ class ModelConfig:
 class DataConfig:
     train: str = "data/synthetic_train.jsonl"  # training questions (native, AIME or DAPO layout)
     seed: int = 0  # shuffle of the training set
-    questions_per_step: int = 8
+    questions_per_step: int = 8  # question groups a step trains on
+    # Dynamic sampling (DAPO) when set: questions rolled out per step, of which only groups whose answers differ
+    # in correctness train, the first questions_per_step of them. 0 = off: questions_per_step are drawn, all kept.
+    questions_drawn: int = 0
 
     def __post_init__(self) -> None:
         if self.questions_per_step <= 0:
             raise SettingsError(f"setting [data] questions_per_step must be positive, got {self.questions_per_step}")
+        if self.questions_drawn and self.questions_drawn < self.questions_per_step:
+            raise SettingsError(
+                f"setting [data] questions_drawn = {self.questions_drawn} is below questions_per_step = "
+                f"{self.questions_per_step}: dynamic sampling draws at least the questions a step trains on (0 = off)"
+            )
+
+    @property
+    def questions_rolled_out(self) -> int:
+        """Questions each step samples trajectories for."""
+        return self.questions_drawn or self.questions_per_step
+
+    @property
+    def keep_limit(self) -> int | None:
+        """With dynamic sampling, how many mixed-correctness groups a step keeps; None: every group."""
+        return self.questions_per_step if self.questions_drawn else None
 
 
 @dataclass(frozen=True)
@@ -88,10 +106,10 @@ class RunSettings:
     cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
 
     def __post_init__(self) -> None:
-        if self.rollout.shards > self.data.questions_per_step:
+        if self.rollout.shards > self.data.questions_rolled_out:
             raise SettingsError(
-                f"setting [rollout] shards = {self.rollout.shards} exceeds [data] questions_per_step = "
-                f"{self.data.questions_per_step}: some shards would be empty"
+                f"setting [rollout] shards = {self.rollout.shards} exceeds the {self.data.questions_rolled_out} "
+                "questions a step rolls out ([data] questions_per_step, or questions_drawn): some shards would be empty"
             )
 
     @property
@@ -167,8 +185,9 @@ def check_training(settings: RunSettings) -> None:
             "learning signal"
         )
     limit = 2 ** dict(SEED_FIELDS)["question_index"]
-    if settings.data.questions_per_step > limit:
+    if settings.data.questions_rolled_out > limit:
+        name = "questions_drawn" if settings.data.questions_drawn else "questions_per_step"
         raise SettingsError(
-            f"setting [data] questions_per_step = {settings.data.questions_per_step} exceeds {limit}, the questions "
-            "a step's seeds tell apart"
+            f"setting [data] {name} = {settings.data.questions_rolled_out} exceeds {limit}, the questions a step's "
+            "seeds tell apart"
         )

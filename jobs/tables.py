@@ -74,6 +74,7 @@ TRAJECTORIES = pa.schema(
         ("answer", pa.string()),
         ("num_turns", pa.int32()),
         ("code_calls", pa.int32()),
+        ("code_calls_ok", pa.int32()),  # of those, calls whose code ran without an error or a timeout
         ("stop_reason", pa.string()),
         ("final_text", pa.string()),
         ("extracted_answer", pa.string()),  # last \boxed{} content, null if none
@@ -81,6 +82,7 @@ TRAJECTORIES = pa.schema(
         ("correct", pa.bool_()),
         ("reward", pa.float32()),
         ("advantage", pa.float32()),  # reward minus the question group's mean
+        ("kept", pa.bool_()),  # its group trains this step (dynamic sampling keeps groups of mixed correctness)
         ("trajectory_tokens", pa.int32()),  # length of the whole token sequence
         ("sampled_tokens", pa.int32()),  # how many of those the model sampled (the actions)
     ]

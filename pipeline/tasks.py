@@ -14,7 +14,7 @@ from jobs.metrics import record_stage_seconds
 from jobs.report import make_report
 from jobs.runs import EvalSpec, sft_folder
 from jobs.stages.rollout import datums_table, describe, execute_round, prompts_table, sample_round, score_step
-from jobs.stages.summary import before_after_stage, evaluate_stage, metrics_stage
+from jobs.stages.summary import before_after_stage, evaluate_stage, metrics_stage, training_sources
 from jobs.stages.training import cold_start_stage, describe_metrics, sft_examples_stage, train_stage
 from jobs.tables import SAMPLES, TRAJECTORIES, parquet_seconds, read_table, write_table_atomically
 from pipeline.config import current_settings
@@ -52,6 +52,14 @@ class RunTask(luigi.Task):
             else None
         )
         return context_for(current_settings(), self.step, evaluation)
+
+    @property
+    def priority(self) -> int:
+        """Luigi runs higher priorities first, and a task's inputs inherit its priority: shard s's rounds
+        before shard s+1's, the rest after them. One worker then finishes a shard's round chain while its
+        prompts are still in the sampler's prefix cache, rather than sampling every shard's round r first."""
+        shard = getattr(self, "shard", None)
+        return -shard if shard is not None else -(2**16)
 
     def target(self, relative: str) -> luigi.LocalTarget:
         return luigi.LocalTarget(str(self.context.folder / relative))
@@ -173,7 +181,8 @@ class ScoreTrajectories(RunTask):
         return self.target("trajectories.parquet")
 
     def run(self):
-        self.write(score_step(self.context.all_trajectories(), self.step))
+        context = self.context
+        self.write(score_step(context.all_trajectories(), self.step, context.settings.data.keep_limit))
 
 
 class BuildDatums(RunTask):
@@ -318,4 +327,5 @@ class BeforeAfter(RunTask):
         evaluations = [(label, task.context.folder) for label, task in self.evaluations()]
         run_dir = self.context.run.run_dir
         report = run_dir / "report" / f"step={self.step:04d}"
-        self.summary = "\n" + before_after_stage(run_dir, evaluations, self.output().path, report)
+        trained = training_sources(self.context.run)
+        self.summary = "\n" + before_after_stage(run_dir, evaluations, trained, self.output().path, report)

@@ -19,3 +19,18 @@ def branching_tools(settings):
         return f"So the result is \\boxed{{{answer if group % 2 == 0 else -1}}}."
 
     return ScriptedSampler(scripted(protocol, choose))
+
+
+def some_groups_agree(settings):
+    """Question q: all branches right when q % 4 == 0, all wrong when q % 4 == 1, mixed otherwise (even
+    branches right); one tool call first."""
+    protocol = protocol_for(settings.model)
+
+    def choose(question, group, turn, step):
+        if turn == 0:
+            return tool_call_text(f"print({question})", protocol.tool_format)
+        right = question % 4 == 0 or (question % 4 > 1 and group % 2 == 0)
+        answer = step_examples(settings, step, None)[question].answer
+        return f"So the result is \\boxed{{{answer if right else -1}}}."
+
+    return ScriptedSampler(scripted(protocol, choose))

@@ -369,3 +369,27 @@ def test_a_sampler_that_does_not_serve_the_policy_fails_the_step_before_saving(c
     assert not (step_dir(settings, 0) / "checkpoint").exists()
     with pytest.raises(PolicySyncError, match="the sampler does not serve the trained policy"):
         pipeline.tasks.train_stage(settings, 0)
+
+
+def test_one_worker_runs_a_shard_s_rounds_before_the_next_shard_s(configure, monkeypatch):
+    settings = configure("order", rollout={"shards": 3})
+    started = []
+    handler = pipeline.tasks.RunTask.event_handler(luigi.Event.START)(
+        lambda task: started.append((task.task_family, getattr(task, "shard", None)))
+    )
+    try:
+        assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
+    finally:
+        pipeline.tasks.RunTask._event_callbacks[pipeline.tasks.RunTask][luigi.Event.START].discard(handler)
+    shards = [shard for family, shard in started if family in ("SampleRound", "ExecuteRound")]
+    assert shards == sorted(shards) and len(shards) == 3 * 2 * settings.rollout.max_assistant_turns
+
+
+def test_an_evaluation_is_split_into_shards_its_sampler_can_cache():
+    from jobs.rollout_config import RolloutConfig
+    from jobs.runs import evaluation_shards
+
+    assert evaluation_shards(RolloutConfig(), questions=258, n=2) == 1
+    assert evaluation_shards(RolloutConfig(eval_shard_sequences=64), questions=258, n=2) == 9
+    assert evaluation_shards(RolloutConfig(eval_shard_sequences=64, shards=12), questions=258, n=2) == 12
+    assert evaluation_shards(RolloutConfig(eval_shard_sequences=1), questions=5, n=2) == 5

@@ -20,6 +20,7 @@ from jobs.rollout import (
     apply_results,
     apply_samples,
     assign_group_advantages,
+    keep_groups,
     plan_requests,
     score_trajectory,
     start_trajectories,
@@ -213,8 +214,9 @@ def observation_row(trajectory: Trajectory, step: int, round_index: int) -> dict
     }
 
 
-def score_step(trajectories: Sequence[Trajectory], step: int) -> pa.Table:
-    """ScoreTrajectories: every reward first, then advantages within each question's group."""
+def score_step(trajectories: Sequence[Trajectory], step: int, keep_limit: int | None = None) -> pa.Table:
+    """ScoreTrajectories: every reward first, then advantages within each question's group, then which
+    groups train (with a `keep_limit`, dynamic sampling: the first that many of mixed correctness)."""
     live = [t for t in trajectories if not t.done]
     if live:
         raise StaleInputError(
@@ -224,6 +226,7 @@ def score_step(trajectories: Sequence[Trajectory], step: int) -> pa.Table:
     for trajectory in ordered:
         score_trajectory(trajectory)
     assign_group_advantages(ordered)
+    keep_groups(ordered, keep_limit)
     return trajectories_table(ordered, step)
 
 
@@ -241,6 +244,7 @@ def trajectories_table(trajectories: Sequence[Trajectory], step: int) -> pa.Tabl
                 "answer": t.example.answer,
                 "num_turns": len(t.turns),
                 "code_calls": t.code_calls,
+                "code_calls_ok": sum(turn.tool_call is not None and turn.tool_call.status == "ok" for turn in t.turns),
                 "stop_reason": t.stop_reason,
                 "final_text": t.final_text,
                 "extracted_answer": t.extracted_answer,
@@ -248,6 +252,7 @@ def trajectories_table(trajectories: Sequence[Trajectory], step: int) -> pa.Tabl
                 "correct": t.correct,
                 "reward": t.reward,
                 "advantage": t.advantage,
+                "kept": t.kept,
                 "trajectory_tokens": len(sequence.tokens),
                 "sampled_tokens": sum(sequence.is_action),
             }
@@ -256,11 +261,13 @@ def trajectories_table(trajectories: Sequence[Trajectory], step: int) -> pa.Tabl
 
 
 def datums_table(trajectories: Sequence[Trajectory], scored: pa.Table, step: int, trainer_max_tokens: int) -> pa.Table:
-    """BuildDatums: the replayed trajectories with the advantages ScoreTrajectories assigned."""
-    advantages = {(row["question_index"], row["group_index"]): row["advantage"] for row in scored.to_pylist()}
+    """BuildDatums: the replayed trajectories of the groups ScoreTrajectories kept, with the advantages it
+    assigned."""
+    rows = {(row["question_index"], row["group_index"]): row for row in scored.to_pylist()}
     for trajectory in trajectories:
-        trajectory.advantage = advantages[(trajectory.question_index, trajectory.group_index)]
-    ordered = sorted(trajectories, key=lambda t: (t.question_index, t.group_index))
+        row = rows[(trajectory.question_index, trajectory.group_index)]
+        trajectory.advantage, trajectory.kept = row["advantage"], row["kept"]
+    ordered = sorted((t for t in trajectories if t.kept), key=lambda t: (t.question_index, t.group_index))
     rows = [
         {
             "step": step,
@@ -314,5 +321,7 @@ def describe(table: pa.Table) -> str:
     if "reward" in names:
         rewards = table.column("reward").to_pylist()
         correct = sum(table.column("correct").to_pylist())
-        return f"{table.num_rows} trajectories, reward mean {sum(rewards) / len(rewards):+.3f}, correct {correct}"
+        groups = {(q, k) for q, k in zip(table.column("question_index").to_pylist(), table.column("kept").to_pylist())}
+        kept = f", {sum(k for _, k in groups)} of {len(groups)} groups kept" if not all(k for _, k in groups) else ""
+        return f"{table.num_rows} trajectories, reward mean {sum(rewards) / len(rewards):+.3f}, correct {correct}{kept}"
     return f"{table.num_rows} rows"

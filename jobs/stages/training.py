@@ -54,11 +54,9 @@ def train_stage(settings: RunSettings, step: int) -> StepMetrics:
 
     folder = step_folder(settings, step)
     previous = checkpoint_dir(settings, step - 1) if step > 0 else None
-    scored = read_table(folder / "trajectories.parquet", TRAJECTORIES)
-    num_trajectories = scored.num_rows
-    zero_variance = zero_variance_groups(
-        zip(scored.column("question_index").to_pylist(), scored.column("reward").to_pylist())
-    )
+    kept = [row for row in read_table(folder / "trajectories.parquet", TRAJECTORIES).to_pylist() if row["kept"]]
+    num_trajectories = len(kept)  # of the groups that train
+    zero_variance = zero_variance_groups((row["question_index"], row["reward"]) for row in kept)
     out = checkpoint_dir(settings, step)
     base_model = rl_base_model(settings)
     if settings.run.train_processes == 1:
