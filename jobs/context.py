@@ -25,7 +25,7 @@ from jobs.runs import (
     step_examples,
     step_folder,
 )
-from jobs.sampling import Sampler
+from jobs.sampling import Sampler, engine_dtype
 from jobs.sandbox import Sandbox, SandboxConfig
 from jobs.serve import server_urls
 from jobs.settings import ModelConfig, RunSettings, SettingsError, check_training
@@ -228,7 +228,11 @@ def _load_engine(kind: str, settings: RunSettings, model_dir: Path, url: str) ->
             lora_rank=settings.trainer.lora_rank,
             gpu_memory_utilization=settings.sampler.gpu_memory_utilization,
             sleep_mode=settings.sampler.sleep_while_training,
+            dtype=engine_dtype(settings.sampler, settings.run.device),
         )
+    import torch
+
     from jobs.hf_sampler import HFSampler
 
-    return HFSampler(model_dir, device=settings.run.device)
+    dtype = getattr(torch, engine_dtype(settings.sampler, settings.run.device))
+    return HFSampler(model_dir, dtype=dtype, device=settings.run.device)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from jobs.atomic import write_text_atomically
 from jobs.run_setup import resolve_model
+from jobs.sampling import engine_dtype
 from jobs.settings import RunSettings, SettingsError
 from jobs.vllm_sampler import CPU_ENVIRONMENT
 from jobs.vllm_server import is_healthy
@@ -41,9 +42,9 @@ def server_command(settings: RunSettings, port: int) -> list[str]:
         "--seed",
         "0",
         "--dtype",
-        "float32" if on_cpu else "bfloat16",
+        engine_dtype(settings.sampler, settings.run.device),
     ]
-    if on_cpu:  # as the in-process CPU engine: exact float32, no chunked prefill (see jobs.vllm_sampler)
+    if on_cpu:  # as the in-process CPU engine: eager, no chunked prefill (see jobs.vllm_sampler)
         command += ["--enforce-eager", "--no-enable-chunked-prefill"]
     else:
         command += ["--gpu-memory-utilization", str(settings.sampler.gpu_memory_utilization)]

@@ -42,6 +42,7 @@ class VLLMSampler:
         lora_rank: int = 0,
         gpu_memory_utilization: float = 0.5,
         sleep_mode: bool = False,
+        dtype: str = "",
     ):
         if device == "cpu":
             for name, value in CPU_ENVIRONMENT.items():
@@ -53,14 +54,14 @@ class VLLMSampler:
             # No chunked prefill: a seeded request whose prompt is split across engine steps makes the CPU
             # engine rewind its generator, which CPU generators cannot do ("does not use offset").
             options = {
-                "dtype": "float32",
+                "dtype": dtype or "float32",
                 "enforce_eager": True,
                 "enable_chunked_prefill": False,
                 "max_num_batched_tokens": max(max_model_len, 8192),
             }
         else:
             options = {
-                "dtype": "bfloat16",
+                "dtype": dtype or "bfloat16",
                 "gpu_memory_utilization": gpu_memory_utilization,
                 "enable_sleep_mode": sleep_mode,
             }
@@ -80,19 +81,32 @@ class VLLMSampler:
         shutil.rmtree(self._adapters, ignore_errors=True)
 
     def _stop_engine(self) -> None:
-        self.llm.llm_engine.engine_core.shutdown()
-        del self.llm
-        gc.collect()
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+            gc.collect()
+
+    def _start_engine(self, weights: Path) -> None:
+        from vllm import LLM
+
+        self._stop_engine()
+        self.llm = LLM(model=str(weights), tokenizer=str(self.model_path), **self.options)
+        self.weights = weights
 
     def sleep(self) -> None:
-        """Gives the GPU memory back to a training step in this process (vLLM's sleep mode, level 1:
-        weights to CPU memory, KV cache dropped); the next use wakes the engine up."""
-        if self.options.get("enable_sleep_mode") and not self.sleeping:
+        """Gives the memory back to a training step in this process. On a GPU, vLLM's sleep mode (level 1:
+        weights to CPU memory, KV cache dropped); on a CPU the engine stops, since it loads each new policy
+        in a fresh engine anyway (see _load_weights). The next use wakes it up."""
+        if self.device == "cpu":
+            self._stop_engine()
+        elif self.options.get("enable_sleep_mode") and not self.sleeping:
             self.llm.sleep(level=1)
             self.sleeping = True
 
     def _wake(self) -> None:
-        if self.sleeping:
+        if self.device == "cpu" and self.llm is None:
+            self._start_engine(self.weights)
+        elif self.sleeping:
             self.llm.wake_up()
             self.sleeping = False
 
@@ -102,7 +116,8 @@ class VLLMSampler:
         id, so reusing one would silently serve old weights. Full weights are reloaded in place."""
         if checkpoint == self.policy:
             return
-        self._wake()
+        if self.device != "cpu":  # a CPU engine that was stopped starts with the policy's weights below
+            self._wake()
         self.lora_request = None
         if checkpoint is not None and (checkpoint / "adapter").is_dir():
             from vllm.lora.request import LoRARequest
@@ -121,16 +136,13 @@ class VLLMSampler:
         reload there updates the parameters but not the copies the CPU kernels pre-packed at load time,
         and the engine then serves neither policy (measured: logprobs off by 3e-3 on average, 0.4 at
         worst, against 2e-7 after a fresh load)."""
-        if weights == self.weights:
+        if weights == self.weights and self.llm is not None:
             return
         if self.device == "cpu":
-            from vllm import LLM
-
-            self._stop_engine()
-            self.llm = LLM(model=str(weights), tokenizer=str(self.model_path), **self.options)
+            self._start_engine(weights)
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights)})
-        self.weights = weights
+            self.weights = weights
 
     def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
         if not requests:

@@ -60,6 +60,35 @@ def test_seeds_make_samples_reproducible(engine):
     assert [[s.tokens for s in r] for r in first] == [[s.tokens for s in r] for r in again]
 
 
+def test_a_cpu_engine_asleep_frees_its_memory_and_samples_the_same_after(engine):
+    first = engine.sample(requests(), SamplingSettings())
+    engine.sleep()  # before a training step in this process: the CPU engine stops
+    assert engine.llm is None
+    again = engine.sample(requests(), SamplingSettings())  # started again, with the same weights and seeds
+    assert [[s.tokens for s in r] for r in first] == [[s.tokens for s in r] for r in again]
+
+
+def test_a_bfloat16_engine_serves_close_logprobs(tiny_model_dir, reference):
+    from jobs.vllm_sampler import VLLMSampler
+
+    engine = VLLMSampler(tiny_model_dir, device="cpu", max_model_len=512, dtype="bfloat16")
+    try:
+        gaps = []
+        for request, sequences in zip(requests(), engine.sample(requests(), SamplingSettings())):
+            for sequence in sequences:
+                ids = torch.tensor([list(request.prompt_tokens) + list(sequence.tokens)])
+                with torch.no_grad():
+                    logprobs = reference(ids).logits[0].float().log_softmax(-1)
+                start = len(request.prompt_tokens) - 1
+                gaps += [
+                    abs(logprobs[start + i, t].item() - lp)
+                    for i, (t, lp) in enumerate(zip(sequence.tokens, sequence.logprobs))
+                ]
+    finally:
+        engine.close()
+    assert 0 < sum(gaps) / len(gaps) < 0.05  # not float32's 1e-6, but within the policy-sync check of a GPU run
+
+
 def test_stop_token_is_kept_in_the_tokens(engine):
     free = engine.sample(requests()[:1], SamplingSettings())[0][0]
     stop = free.tokens[2]
