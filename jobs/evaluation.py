@@ -8,6 +8,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from jobs.rollout import STOP_REASONS
 
@@ -53,9 +54,13 @@ def summarize_eval(trajectories: pa.Table, n: int) -> dict:
         summary[f"pass_at_{k}"], summary[f"pass_at_{k}_ci"] = mean_ci([pass_at_k(n, c, k) for c in correct_counts])
     for name, column in (("format", "valid_format"), ("code_calls", "code_calls"), ("turns", "num_turns")):
         summary[name], summary[f"{name}_ci"] = mean_ci([float(r[column]) for r in rows])
-    summary["tool_use"], summary["tool_use_ci"] = mean_ci(
-        [float(r["code_calls"] > 0) for r in rows]
-    )  # made a call that ran
+    summary["valid_accuracy"], summary["valid_accuracy_ci"] = mean_ci(  # correct among answers in a valid format
+        [float(r["correct"]) for r in rows if r["valid_format"]]
+    )
+    summary["tool_use"], summary["tool_use_ci"] = mean_ci([float(r["code_calls"] > 0) for r in rows])  # a call ran
+    summary["valid_tool_use"], summary["valid_tool_use_ci"] = mean_ci(  # a call ran without an error
+        [float(r["code_calls_ok"] > 0) for r in rows]
+    )
     for reason in STOP_REASONS:
         summary[f"stop_{reason}"] = sum(r["stop_reason"] == reason for r in rows)
     return summary
@@ -88,25 +93,44 @@ def paired_difference(before: pa.Table, after: pa.Table) -> tuple[float, float, 
     return mean, half_width, len(common)
 
 
-def before_after_markdown(
-    summaries: list[tuple[str, dict]], differences: list[tuple[str, tuple[float, float, int]]]
-) -> str:
-    """The comparison `make run` ends with: one row per policy, then the paired differences."""
-    n = summaries[0][1]["n"]
+IN_FAMILY, HELD_OUT = "in-family", "held-out families"  # question groups of a before/after table
+
+
+def question_groups(trajectories: pa.Table, trained_sources: frozenset[str]) -> dict[str, pa.Table]:
+    """The evaluation's trajectories by kind of question: in-family (a data source some training file of
+    the run has) and held-out families (one no training file has); a kind without questions is left out."""
+    trained = pa.array([source in trained_sources for source in trajectories.column("data_source").to_pylist()])
+    groups = {IN_FAMILY: trajectories.filter(trained), HELD_OUT: trajectories.filter(pc.invert(trained))}
+    return {label: table for label, table in groups.items() if table.num_rows}
+
+
+def _rate(mean: float, half_width: float) -> str:
+    """A rate and its interval, or a dash where there was nothing to take it over."""
+    return "—" if math.isnan(mean) else f"{mean:.3f} ± {half_width:.3f}"
+
+
+def before_after_markdown(groups: list[tuple[str, list[tuple[str, dict]], list[tuple[str, tuple]]]]) -> str:
+    """The comparison `make run` ends with: for each group of questions, one row per policy, then the
+    paired differences. `groups`: (label, [(policy, summary)], [(difference label, paired difference)])."""
+    n = groups[0][1][0][1]["n"]
     lines = [
-        f"| policy | Average@{n} | Pass@{n} | Format | trajectories with a tool call | tool calls per trajectory |",
-        "|---|---|---|---|---|---|",
+        f"| questions | policy | Average@{n} | Pass@{n} | Format | correct of valid | valid code call | tool calls |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for label, s in summaries:
-        lines.append(
-            f"| {label} | {s['average_at_n']:.3f} ± {s['average_at_n_ci']:.3f} | {s['pass_at_n']:.3f} | "
-            f"{s['format']:.3f} ± {s['format_ci']:.3f} "
-            f"| {s['tool_use']:.3f} | {s['code_calls']:.2f} ± {s['code_calls_ci']:.2f} |"
-        )
+    for label, summaries, _ in groups:
+        for row, (policy, s) in enumerate(summaries):
+            questions = f"{label} ({s['questions']})" if row == 0 else ""
+            lines.append(
+                f"| {questions} | {policy} | {s['average_at_n']:.3f} ± {s['average_at_n_ci']:.3f} | "
+                f"{s['pass_at_n']:.3f} | {s['format']:.3f} ± {s['format_ci']:.3f} | "
+                f"{_rate(s['valid_accuracy'], s['valid_accuracy_ci'])} | {s['valid_tool_use']:.3f} | "
+                f"{s['code_calls']:.2f} ± {s['code_calls_ci']:.2f} |"
+            )
     lines.append("")
-    for label, (mean, half_width, questions) in differences:
-        lines.append(
-            f"{label}: Average@{n} {mean:+.3f} ± {half_width:.3f} (95 % interval of the paired difference over "
-            f"{questions} questions)"
-        )
+    for label, _, differences in groups:
+        for difference, (mean, half_width, questions) in differences:
+            lines.append(
+                f"{label}: {difference}: Average@{n} {mean:+.3f} ± {half_width:.3f} (95 % interval of the paired "
+                f"difference over {questions} questions)"
+            )
     return "\n".join(lines) + "\n"

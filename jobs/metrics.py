@@ -42,6 +42,7 @@ def step_metrics(
     step: int, trajectories: pa.Table, observations: pa.Table, training: StepMetrics, seconds: dict[str, float]
 ) -> dict:
     rows = trajectories.to_pylist()
+    valid = [r for r in rows if r["valid_format"]]
     turns = [r for r in observations.to_pylist() if r["kind"] is not None]
     calls = [r for r in turns if r["exec_status"] is not None]
     attempted = [r for r in turns if r["kind"] in ("tool", "invalid")]
@@ -51,12 +52,17 @@ def step_metrics(
         "reward_mean": _mean([r["reward"] for r in rows]),
         "correct": _mean([float(r["correct"]) for r in rows]),
         "format": _mean([float(r["valid_format"]) for r in rows]),
+        "valid_accuracy": _mean([float(r["correct"]) for r in valid]),  # correct among answers in a valid format
+        "sampled_tokens_correct": _mean([float(r["sampled_tokens"]) for r in rows if r["correct"]]),
+        "sampled_tokens_wrong": _mean([float(r["sampled_tokens"]) for r in rows if not r["correct"]]),
         "turns": _mean([float(r["num_turns"]) for r in rows]),
         "code_calls": _mean([float(r["code_calls"]) for r in rows]),
         "trajectory_tokens": _mean([float(r["trajectory_tokens"]) for r in rows]),
         "valid_tool_call_rate": _mean([float(r["kind"] == "tool") for r in attempted]),
         "degenerate_group_rate": zero_variance_groups((r["question_index"], r["reward"]) for r in rows)
         / max(1, len({r["question_index"] for r in rows})),
+        "groups_drawn": len({r["question_index"] for r in rows}),
+        "groups_kept": len({r["question_index"] for r in rows if r["kept"]}),
         "sandbox_calls": len(calls),
         "sandbox_ok_rate": _mean([float(r["exec_status"] == "ok") for r in calls]),
         "sandbox_error_rate": _mean([float(r["exec_status"] == "error") for r in calls]),
@@ -81,13 +87,21 @@ def metrics_table(metrics: dict) -> pa.Table:
 
 
 def describe_step(metrics: dict) -> str:
+    stops = ", ".join(
+        f"{reason} {metrics[f'stop_{reason}']}" for reason in STOP_REASONS if metrics.get(f"stop_{reason}")
+    )
     return (
         f"step {metrics['step']}: reward {metrics['reward_mean']:+.3f}, correct {metrics['correct']:.3f}, format "
-        f"{metrics['format']:.3f}, "
-        f"turns {metrics['turns']:.2f}, code calls {metrics['code_calls']:.2f}, sandbox ok "
-        f"{metrics['sandbox_ok_rate']:.2f}, "
-        f"degenerate groups {metrics['degenerate_group_rate']:.2f}, datums {metrics['train_datums']}, loss "
-        f"{metrics['train_loss']:+.4f}" + (" (update skipped)" if metrics["train_skipped"] else "")
+        f"{metrics['format']:.3f}, correct of valid {metrics['valid_accuracy']:.3f}, turns {metrics['turns']:.2f}, "
+        f"code calls {metrics['code_calls']:.2f}, sandbox ok {metrics['sandbox_ok_rate']:.2f}, sampled tokens "
+        f"{metrics['sampled_tokens_correct']:.0f} correct / {metrics['sampled_tokens_wrong']:.0f} wrong, "
+        f"groups kept {metrics['groups_kept']} of {metrics['groups_drawn']} (degenerate "
+        f"{metrics['degenerate_group_rate']:.2f}), stops: {stops or 'none'}\n"
+        f"  update: {metrics['train_updates']} optimizer steps on {metrics['train_datums']} datums, loss "
+        f"{metrics['train_loss']:+.4f}, entropy {metrics['train_entropy']:.3f}, KL(before||after) k1 "
+        f"{metrics['train_kl_k1']:.2e} k3 {metrics['train_kl_k3']:.2e}, clipped {metrics['train_clip_fraction']:.3f}, "
+        f"ratio outside the clip range after {metrics['train_ratio_outside_clip']:.3f}"
+        + (" (update skipped)" if metrics["train_skipped"] else "")
     )
 
 

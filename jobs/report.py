@@ -24,8 +24,9 @@ from jobs.analysis import (
     worst_trajectories,
 )  # noqa: E402
 from jobs.atomic import write_text_atomically  # noqa: E402
+from jobs.rollout import STOP_REASONS  # noqa: E402
 
-PLOTS = ("reward.png", "tool_use.png", "sandbox.png", "lengths.png", "eval.png")
+PLOTS = ("reward.png", "diagnostics.png", "tool_use.png", "sandbox.png", "lengths.png", "eval.png")
 STYLES = (("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", "-"), ("P", "--"))  # coinciding lines stay apart
 
 
@@ -85,6 +86,47 @@ def plot_reward(metrics: pl.DataFrame) -> Figure:
     return _per_step(
         metrics, columns, "not recorded", title="Reward, accuracy and format", ylabel="value", ylim=(-1.05, 1.05)
     )
+
+
+DIAGNOSTICS = (  # panel title, y label, series (label -> metrics column)
+    ("Entropy of the policy on its sampled tokens", "nats", {"entropy": "train_entropy"}),
+    (
+        "KL between the policy before and after the update",
+        "KL (nats per token)",
+        {"k1": "train_kl_k1", "k3": "train_kl_k3"},
+    ),
+    (
+        "PPO clip",
+        "share of loss tokens",
+        {"clip active in the loss": "train_clip_fraction", "ratio outside the range after": "train_ratio_outside_clip"},
+    ),
+    (
+        "Answers",
+        "rate",
+        {"correct of valid answers": "valid_accuracy", "valid \\boxed{} format": "format", "correct": "correct"},
+    ),
+    (
+        "Sampled tokens per trajectory",
+        "tokens",
+        {"correct": "sampled_tokens_correct", "wrong": "sampled_tokens_wrong"},
+    ),
+    ("Question groups per step", "groups", {"drawn": "groups_drawn", "kept (trained on)": "groups_kept"}),
+)
+
+
+def plot_diagnostics(metrics: pl.DataFrame) -> Figure:
+    """What an RL user reads every step: entropy, how far each update moved the policy, the clip, answer
+    quality, the lengths of correct and wrong trajectories, and how many groups trained; stop reasons apart."""
+    figure, axes = plt.subplots(2, 4, figsize=(20, 8), layout="constrained")
+    for axis, (title, ylabel, columns) in zip(axes.flat, DIAGNOSTICS):
+        _draw_series(axis, metrics, columns, "not recorded")
+        axis.set(title=title, xlabel="training step", ylabel=ylabel)
+    stops = {reason: f"stop_{reason}" for reason in STOP_REASONS}
+    halves = (dict(list(stops.items())[:4]), dict(list(stops.items())[4:]))
+    for axis, reasons in zip(axes.flat[len(DIAGNOSTICS) :], halves):
+        _draw_series(axis, metrics, reasons, "not recorded")
+        axis.set(title="Stop reasons", xlabel="training step", ylabel="trajectories")
+    return figure
 
 
 def plot_tool_use(metrics: pl.DataFrame) -> Figure:
@@ -170,6 +212,23 @@ def _markdown_table(frame: pl.DataFrame, columns: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+TRAINING_COLUMNS = [  # of the report's table of training steps
+    "step",
+    "reward_mean",
+    "correct",
+    "format",
+    "valid_accuracy",
+    "code_calls",
+    "groups_kept",
+    "train_datums",
+    "train_loss",
+    "train_entropy",
+    "train_kl_k3",
+    "train_clip_fraction",
+    "train_skipped",
+]
+
+
 def make_report(run: str | Path, out: str | Path | None = None) -> Path:
     """Writes the plots and report.md under `out` (default runs/NAME/report); returns report.md."""
     run = Path(run)
@@ -180,6 +239,7 @@ def make_report(run: str | Path, out: str | Path | None = None) -> Path:
     metrics, evals, errors = metrics_by_step(run), eval_by_checkpoint(run), sandbox_error_kinds(run)
     figures = (
         plot_reward(metrics),
+        plot_diagnostics(metrics),
         plot_tool_use(metrics),
         plot_sandbox(metrics, errors),
         plot_lengths(trajectory_lengths(run)),
@@ -192,21 +252,9 @@ def make_report(run: str | Path, out: str | Path | None = None) -> Path:
         f"{counted(metrics.height, 'training step')}, {counted(evals.height, 'evaluation')}.\n",
         "## Training\n",
         "![reward](reward.png)\n",
+        "![diagnostics](diagnostics.png)\n",
         "![tool use](tool_use.png)\n",
-        _markdown_table(
-            metrics,
-            [
-                "step",
-                "reward_mean",
-                "correct",
-                "format",
-                "code_calls",
-                "turns",
-                "train_datums",
-                "train_loss",
-                "train_skipped",
-            ],
-        ),
+        _markdown_table(metrics, TRAINING_COLUMNS),
         "## Sandbox\n",
         "![sandbox](sandbox.png)\n",
         _markdown_table(errors, ["error", "calls"]),

@@ -22,7 +22,16 @@ from jobs.analysis import (
     worst_trajectories,
 )
 from jobs.context import protocol_for
-from jobs.report import PLOTS, make_report, plot_eval, plot_lengths, plot_reward, plot_sandbox, plot_tool_use
+from jobs.report import (
+    PLOTS,
+    make_report,
+    plot_diagnostics,
+    plot_eval,
+    plot_lengths,
+    plot_reward,
+    plot_sandbox,
+    plot_tool_use,
+)
 from jobs.sampling import ScriptedSampler
 from tests.helpers import scripted, tool_call_text
 from tests.pipeline_helpers import TRAIN, batch
@@ -62,6 +71,9 @@ def test_analysis_answers_its_questions(two_step_run):
     assert metrics["step"].to_list() == [0, 1] and {"reward_mean", "train_loss", "sandbox_ok_rate"} <= set(
         metrics.columns
     )
+    assert all(metrics["train_kl_k3"] > 0) and all(metrics["train_entropy"] > 0)  # every update's drift
+    assert metrics["valid_accuracy"].to_list() == [0.5, 0.5]  # even branches answer right, odd ones -1
+    assert metrics["groups_kept"].to_list() == metrics["groups_drawn"].to_list() == [3, 3]
     calls = tool_success_by_round(run)
     assert calls["calls"].sum() == sum(metrics["sandbox_calls"].to_list())
     errors = sandbox_error_kinds(run)
@@ -135,6 +147,7 @@ def test_every_plot_has_data_or_says_why_not():
     for metrics, evals, lengths in ((metrics, evals, lengths), tuple(empty.values())):
         figures = [
             plot_reward(metrics),
+            plot_diagnostics(metrics),
             plot_tool_use(metrics),
             plot_sandbox(metrics, errors),
             plot_lengths(lengths),

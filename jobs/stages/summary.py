@@ -6,14 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from jobs.atomic import write_text_atomically
-from jobs.evaluation import before_after_markdown, paired_difference, summarize_eval
+from jobs.cold_start import read_conversations
+from jobs.data import read_examples
+from jobs.evaluation import before_after_markdown, paired_difference, question_groups, summarize_eval
 from jobs.metrics import describe_step, export_tensorboard, metrics_table, stage_seconds, step_metrics
 from jobs.report import make_report
 from jobs.runs import EvalSpec, content_hash
 from jobs.sandbox import Sandbox
+from jobs.settings import RunSettings
 from jobs.tables import OBSERVATIONS, TRAJECTORIES, read_table, write_table_atomically
 from jobs.trainer_config import StepMetrics
 
@@ -53,17 +57,35 @@ def evaluate_stage(trajectories: pa.Table, evaluation: EvalSpec, step: int, out:
     return summary
 
 
-def before_after_stage(run_dir: Path, evaluations: list[tuple[str, Path]], out: Path, report: Path) -> str:
-    """The before/after table of a run's evaluations (label, evaluation folder; the first is the
-    reference of the paired differences, the last the final policy), written to `out`; then the
-    run's report, evaluations included, under `report`. Returns the table."""
-    summaries = [(label, pq.read_table(folder / "summary.parquet").to_pylist()[0]) for label, folder in evaluations]
+def training_sources(settings: RunSettings) -> frozenset[str]:
+    """The data sources (a synthetic problem's family) of the run's training files: RL data and cold start."""
+    sources = {example.data_source for example in read_examples(settings.data.train)}
+    if settings.cold_start.data:
+        sources |= {conversation.data_source for conversation in read_conversations(settings.cold_start.data)}
+    return frozenset(sources)
+
+
+def before_after_stage(
+    run_dir: Path, evaluations: list[tuple[str, Path]], trained_sources: frozenset[str], out: Path, report: Path
+) -> str:
+    """The before/after table of a run's evaluations (label, evaluation folder; the last is the final
+    policy, compared with each earlier one question by question), for in-family and held-out-family
+    questions apart, written to `out`; then the run's report, evaluations included, under `report`.
+    Returns the table."""
+    n = pq.read_table(evaluations[0][1] / "summary.parquet").column("n")[0].as_py()
     trajectories = {label: read_table(folder / "trajectories.parquet", TRAJECTORIES) for label, folder in evaluations}
     (final, _), earlier = evaluations[-1], evaluations[:-1]
-    differences = [
-        (f"{final} - {label}", paired_difference(trajectories[label], trajectories[final])) for label, _ in earlier
-    ]
-    table = before_after_markdown(summaries, differences)
+    groups = []
+    for group, final_part in question_groups(trajectories[final], trained_sources).items():
+        ids = pa.array(sorted(set(final_part.column("example_id").to_pylist())))
+        parts = {
+            label: table.filter(pc.is_in(table.column("example_id"), value_set=ids))
+            for label, table in trajectories.items()
+        }
+        summaries = [(label, summarize_eval(parts[label], n)) for label, _ in evaluations]
+        differences = [(f"{final} - {label}", paired_difference(parts[label], parts[final])) for label, _ in earlier]
+        groups.append((group, summaries, differences))
+    table = before_after_markdown(groups)
     write_text_atomically(out, table)
     make_report(run_dir, report)
     return table
