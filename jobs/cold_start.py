@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from jobs.data import DataError, MathExample
-from jobs.datums import Datum, build_datum
+from jobs.datums import Datum, build_datum, trajectory_sequence
 from jobs.protocol import TOOL_NAME, ChatProtocol, neutralise, tool_call_text
 from jobs.reward import last_boxed
 from jobs.rollout import Trajectory, apply_samples, finish_advance, plan_requests, start_trajectories
@@ -39,6 +39,7 @@ class SolutionTurn:
     text: str  # what the assistant writes before its call, or its whole final answer
     code: str | None = None  # the code its tool call runs; None for the final answer
     output: str | None = None  # the tool message that answered the call
+    trained: bool = True  # false ("weight": 0 on the message): context only, e.g. a mistake that is then corrected
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Conversation:
     question: str  # the user message
     answer: str  # reference answer: the row's "answer", else the final \boxed{}
     turns: tuple[SolutionTurn, ...]  # assistant turns; the last one answers
+    data_source: str = "cold-start"  # the row's "data_source" (a synthetic problem's family), if it has one
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,15 @@ def _call_code(call: Any, where: str) -> str:
     return arguments["code"]
 
 
+def _trained(message: dict, where: str) -> bool:
+    """An assistant message's optional "weight" (as in OpenAI's fine-tuning layout): 1 trains on it, 0 keeps it
+    as context only."""
+    weight = message.get("weight", 1)
+    if weight not in (0, 1) or isinstance(weight, bool):
+        raise DataError(f"{where}: field 'weight' must be 0 or 1, got {weight!r}")
+    return weight == 1
+
+
 def _content(message: dict, where: str, allow_empty: bool = False) -> str:
     content = message.get("content")
     if content is None and allow_empty:
@@ -124,7 +135,7 @@ def conversation_from_row(row: Any, line: int, where: str, default_id: str) -> C
                 f"{len(calls) if isinstance(calls, list) else calls!r}"
             )
         if not calls:
-            turns.append(SolutionTurn(_content(message, at)))
+            turns.append(SolutionTurn(_content(message, at), trained=_trained(message, at)))
             position += 1
             continue
         code = _call_code(calls[0], at)
@@ -136,6 +147,7 @@ def conversation_from_row(row: Any, line: int, where: str, default_id: str) -> C
                 _content(message, at, allow_empty=True),
                 code,
                 _content(reply, f"{where} message {position + 2}", allow_empty=True),
+                _trained(message, at),
             )
         )
         position += 2
@@ -149,7 +161,9 @@ def conversation_from_row(row: Any, line: int, where: str, default_id: str) -> C
     )
     if not answer:
         raise DataError(f"{where}: no 'answer' field and no \\boxed{{}} in the final answer")
-    return Conversation(str(row.get("id") or default_id), line, question, answer, tuple(turns))
+    source = row.get("data_source")
+    source = source if isinstance(source, str) and source else "cold-start"
+    return Conversation(str(row.get("id") or default_id), line, question, answer, tuple(turns), source)
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:
@@ -176,17 +190,23 @@ def conversation_row(conversation: Conversation) -> dict:
     """The JSONL row of a conversation (the inverse of conversation_from_row)."""
     messages: list[dict] = [{"role": "user", "content": conversation.question}]
     for number, turn in enumerate(conversation.turns, start=1):
+        weight = {} if turn.trained else {"weight": 0}
         if turn.code is None:
-            messages.append({"role": "assistant", "content": turn.text})
+            messages.append({"role": "assistant", "content": turn.text, **weight})
             continue
         call = {
             "id": f"call_{number}",
             "type": "function",
             "function": {"name": TOOL_NAME, "arguments": json.dumps({"code": turn.code})},
         }
-        messages.append({"role": "assistant", "content": turn.text, "tool_calls": [call]})
+        messages.append({"role": "assistant", "content": turn.text, "tool_calls": [call], **weight})
         messages.append({"role": "tool", "tool_call_id": f"call_{number}", "content": turn.output})
-    return {"id": conversation.id, "answer": conversation.answer, "messages": messages}
+    return {
+        "id": conversation.id,
+        "answer": conversation.answer,
+        "data_source": conversation.data_source,
+        "messages": messages,
+    }
 
 
 # -- rendering through the rollout --------------------------------------------------------------------
@@ -200,7 +220,7 @@ def replay_conversation(conversation: Conversation, protocol: ChatProtocol, conf
     """The trajectory a rollout produces when the model writes exactly these turns and the tool
     answers with the recorded output; None when it does not fit the rollout's budgets."""
     config = replace(config, group_size=1)
-    example = MathExample(conversation.id, conversation.question, conversation.answer, "cold-start")
+    example = MathExample(conversation.id, conversation.question, conversation.answer, conversation.data_source)
     (trajectory,) = start_trajectories([example], protocol, config)
     for turn in conversation.turns:
         requests = plan_requests([trajectory], protocol, config, step=0)
@@ -233,6 +253,10 @@ def sft_examples_table(
             continue
         trajectory.advantage = 1.0  # build_datum puts it on exactly the tokens the model emitted
         datum = build_datum(trajectory, config.trainer_max_tokens)
+        untrained = {number for number, turn in enumerate(conversation.turns) if not turn.trained}
+        if untrained:  # turns kept as context only: their tokens leave the loss
+            turn_of = trajectory_sequence(trajectory).turn_of[1:]
+            datum = replace(datum, loss_mask=[m and turn_of[i] not in untrained for i, m in enumerate(datum.loss_mask)])
         rows.append(
             {
                 "example_id": conversation.id,
@@ -293,7 +317,7 @@ def train_cold_start(
     last resume point under `progress`. Publishes `out` with full weights (a LoRA is merged in), so
     RL starts from it as from any base model. Returns the loss of every step."""
     from jobs.checkpoints import save_checkpoint
-    from jobs.trainer import load_policy, set_seed, train_step
+    from jobs.trainer import load_policy, release_memory, set_seed, train_step
 
     if (out / "_SUCCESS").exists():  # published, but the losses table was not written yet
         return json.loads((out / "losses.json").read_text())
@@ -323,6 +347,8 @@ def train_cold_start(
         model = model.merge_and_unload()  # RL starts from full weights, whatever the cold start trained
     save_checkpoint(out, model, optimizer, metrics, trainer, base_model, extra={"losses.json": losses})
     shutil.rmtree(progress, ignore_errors=True)
+    del model, optimizer
+    release_memory(device)
     return losses
 
 

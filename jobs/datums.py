@@ -18,6 +18,7 @@ class TokenSequence:
     tokens: list[int]  # P(1) + C(1) + D(1) + C(2) + ...
     old_logprobs: list[float]  # sampler logprob on completion tokens, 0 elsewhere
     is_action: list[bool]  # True exactly on tokens the model sampled
+    turn_of: list[int]  # the turn that sampled each token, from 0; -1 on context
 
 
 def trajectory_sequence(trajectory: Trajectory) -> TokenSequence:
@@ -26,6 +27,7 @@ def trajectory_sequence(trajectory: Trajectory) -> TokenSequence:
     tokens: list[int] = []
     logprobs: list[float] = []
     is_action: list[bool] = []
+    turn_of: list[int] = []
     for number, turn in enumerate(trajectory.turns, start=1):
         if turn.prompt_tokens[: len(tokens)] != tokens:
             raise PrefixError(
@@ -37,7 +39,8 @@ def trajectory_sequence(trajectory: Trajectory) -> TokenSequence:
         tokens += context + turn.completion_tokens
         logprobs += [0.0] * len(context) + turn.logprobs
         is_action += [False] * len(context) + [True] * len(turn.completion_tokens)
-    return TokenSequence(tokens, logprobs, is_action)
+        turn_of += [-1] * len(context) + [number - 1] * len(turn.completion_tokens)
+    return TokenSequence(tokens, logprobs, is_action, turn_of)
 
 
 @dataclass(frozen=True)

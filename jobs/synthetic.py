@@ -1,146 +1,90 @@
-"""Synthetic problems where running code helps, with exact answers, and worked solutions that use the
-code interpreter (the cold-start data).
+"""The shipped synthetic data sets, made from the problem families of jobs.families:
 
-`python -m jobs.synthetic` writes the shipped train and eval sets under data/; `--traces` also writes
-data/synthetic_sft.jsonl, solutions whose tool outputs come from running their code in the sandbox.
+  synthetic_sft.jsonl    worked solutions of the `sft` families (the cold start), whose code and output
+                         come from the project's sandbox; a share first make a mistake and correct it
+  synthetic_train.jsonl  RL questions: the `rl` families and new problems of the `sft` families
+  synthetic_eval.jsonl   held-out questions, never trained on: new problems of the training families
+                         ("in-family") and problems of the `held-out` families, which no training file has
+
+`python -m jobs.synthetic` writes all three; every problem is a pure function of its seed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 
 from jobs.data import MathExample, write_examples
+from jobs.families import FAMILIES, families_of
+from jobs.problems import Problem
+
+SOURCE_PREFIX = "synthetic/"  # data_source of a synthetic problem: synthetic/<family>
+SFT_SEED, TRAIN_SEED, EVAL_SEED, MISTAKE_SEED = 1, 2, 3, 4  # one random stream per file, so files never share a draw
 
 
-@dataclass(frozen=True)
-class Problem:
-    question: str
-    answer: int
-    plan: str  # the solution's line of reasoning before its code
-    code: str  # code that prints the answer
-    mistake: str  # a plausible wrong first attempt: an error, or code that prints a wrong result
-    correction: str  # what the solver says after seeing the mistake's output
+def data_source(family: str) -> str:
+    return SOURCE_PREFIX + family
 
 
-def modular_power(rng: random.Random) -> Problem:
-    base, exponent, modulus = rng.randint(2, 999), rng.randint(10**5, 10**9), rng.randint(10**3, 10**6)
-    question = f"What is the remainder when ${base}^{{{exponent}}}$ is divided by ${modulus}$?"
-    return Problem(
-        question,
-        pow(base, exponent, modulus),
-        "The exponent is huge, so I will use modular exponentiation.",
-        f"print(pow({base}, {exponent}, {modulus}))",
-        f"print(pow({base}, {exponent} {modulus}))",
-        "I left out a comma. Let me fix the call.",
-    )
+def family_of(source: str) -> str | None:
+    """The family a data_source names, or None for data that is not synthetic."""
+    return source[len(SOURCE_PREFIX) :] if source.startswith(SOURCE_PREFIX) else None
 
 
-def conditional_count(rng: random.Random) -> Problem:
-    limit = rng.randint(10**4, 10**6)
-    a, b = rng.sample([3, 4, 5, 6, 7, 9, 11, 13], 2)
-    c = rng.choice([2, 10, 17, 19])
-    question = (
-        f"How many integers $n$ with $1 \\le n \\le {limit}$ are divisible by ${a}$ or by ${b}$, "
-        f"but not divisible by ${c}$?"
-    )
-    answer = sum(1 for n in range(1, limit + 1) if (n % a == 0 or n % b == 0) and n % c != 0)
-    count = f"sum(1 for n in range(1, {limit} + 1) if (n % {a} == 0 or n % {b} == 0){{}})"
-    return Problem(
-        question,
-        answer,
-        "I will count the integers in the range with a loop.",
-        f"print({count.format(f' and n % {c} != 0')})",
-        f"print({count.format('')})",
-        f"That count still includes the multiples of {c}. Let me exclude them.",
-    )
-
-
-def digit_sum_range(rng: random.Random) -> Problem:
-    low = rng.randint(1, 5000)
-    high = low + rng.randint(1000, 200_000)
-    question = f"Find the sum of the digits of all the integers from ${low}$ to ${high}$ inclusive."
-    total = "print(sum(sum(int(d) for d in str(n)) for n in range({}, {})))"
-    return Problem(
-        question,
-        sum(sum(map(int, str(n))) for n in range(low, high + 1)),
-        "I will add up the digits of every integer in the range.",
-        total.format(low, f"{high} + 1"),
-        total.format(low, high),
-        f"range() stops before {high}, which must be included. Let me fix the range.",
-    )
-
-
-def linear_recurrence(rng: random.Random) -> Problem:
-    p, q = rng.randint(1, 9), rng.randint(1, 9)
-    first, second = rng.randint(0, 9), rng.randint(1, 9)
-    index, modulus = rng.randint(50, 5000), rng.choice([1000, 9973, 10007, 10**6 + 3])
-    question = (
-        f"A sequence satisfies $a_1 = {first}$, $a_2 = {second}$ and $a_n = {p}a_{{n-1}} + {q}a_{{n-2}}$ "
-        f"for $n \\ge 3$. What is the remainder when $a_{{{index}}}$ is divided by ${modulus}$?"
-    )
-    previous, current = first, second
-    for _ in range(index - 2):
-        previous, current = current, p * current + q * previous
-    loop = f"a, b = {first}, {second}\nfor _ in range({index} - 2):\n    a, b = b, ({p} * b + {q} * a){{}}\nprint(b)"
-    return Problem(
-        question,
-        (current if index > 1 else first) % modulus,
-        "I will iterate the recurrence, reducing modulo the divisor.",
-        loop.format(f" % {modulus}"),
-        loop.format("").replace("print(b)", "print(b % 10**6, len(str(b)))"),
-        f"I forgot to reduce modulo {modulus}; that printed the last digits of a huge number. Let me reduce at every "
-        "step.",
-    )
-
-
-def small_arithmetic(rng: random.Random) -> Problem:
-    """Easy enough for a 135M model to get right sometimes: gives the CPU default a learning signal."""
-    a, b = rng.randint(2, 40), rng.randint(2, 40)
-    if rng.random() < 0.5:
-        return Problem(
-            f"What is ${a} + {b}$?",
-            a + b,
-            "I will add the numbers.",
-            f"print({a} + {b})",
-            f"print({a} + {b}",
-            "I missed a parenthesis.",
-        )
-    return Problem(
-        f"What is ${a} \\times {b}$?",
-        a * b,
-        "I will multiply the numbers.",
-        f"print({a} * {b})",
-        f"print({a} * {b}",
-        "I missed a parenthesis.",
-    )
-
-
-GENERATORS: dict[str, Callable[[random.Random], Problem]] = {
-    "small_arithmetic": small_arithmetic,
-    "modular_power": modular_power,
-    "conditional_count": conditional_count,
-    "digit_sum_range": digit_sum_range,
-    "linear_recurrence": linear_recurrence,
-}
-EASY = ["small_arithmetic"]  # kept out of the default mix
-
-
-def generate_problems(count: int, seed: int, kinds: list[str] | None = None) -> list[tuple[str, Problem]]:
-    """`count` (kind, problem) pairs cycling through the kinds; the same seed gives the same problems."""
+def generate_problems(
+    count: int, seed: int, families: Sequence[str], exclude: frozenset[str] = frozenset()
+) -> list[tuple[str, Problem]]:
+    """`count` (family, problem) pairs cycling through `families`, none with a question in `exclude` or
+    asked twice; the same seed gives the same problems."""
+    if not families:
+        raise ValueError("generate_problems needs at least one family")
     rng = random.Random(seed)
-    kinds = kinds or [kind for kind in GENERATORS if kind not in EASY]
-    return [(kinds[index % len(kinds)], GENERATORS[kinds[index % len(kinds)]](rng)) for index in range(count)]
+    seen, problems = set(exclude), []
+    for index in range(count):
+        family = families[index % len(families)]
+        for _ in range(1000):
+            problem = FAMILIES[family][1](rng)
+            if problem.question not in seen:
+                break
+        else:
+            raise ValueError(f"family {family} has run out of new questions")
+        seen.add(problem.question)
+        problems.append((family, problem))
+    return problems
 
 
-def generate(count: int, seed: int, prefix: str, kinds: list[str] | None = None) -> list[MathExample]:
+def examples_of(problems: Sequence[tuple[str, Problem]], prefix: str) -> list[MathExample]:
     return [
-        MathExample(f"{prefix}-{index:05d}", problem.question, str(problem.answer), f"synthetic/{kind}")
-        for index, (kind, problem) in enumerate(generate_problems(count, seed, kinds))
+        MathExample(f"{prefix}-{index:05d}", problem.question, problem.answer, data_source(family))
+        for index, (family, problem) in enumerate(problems)
     ]
+
+
+def generate(count: int, seed: int, prefix: str, families: Sequence[str] | None = None) -> list[MathExample]:
+    """Questions only, `count` of them over `families` (default: every training family)."""
+    return examples_of(generate_problems(count, seed, families or families_of("sft", "rl")), prefix)
+
+
+def training_questions(count: int) -> list[MathExample]:
+    """The RL training set: the rl families and the sft families, in turn."""
+    return examples_of(generate_problems(count, TRAIN_SEED, families_of("rl") + families_of("sft")), "train")
+
+
+def evaluation_questions(
+    per_training_family: int, per_held_out_family: int, trained: frozenset[str] = frozenset()
+) -> list[MathExample]:
+    """Questions of every training family and of every held-out family, none of them in `trained` (the
+    training files' questions), alternating between the two kinds so that the file's first N questions
+    (`--limit N`) hold both."""
+    training_families, held_out_families = families_of("sft", "rl"), families_of("held-out")
+    in_family = generate_problems(per_training_family * len(training_families), EVAL_SEED, training_families, trained)
+    held_out = generate_problems(per_held_out_family * len(held_out_families), EVAL_SEED + 1, held_out_families)
+    order = [pair for both in zip(in_family, held_out) for pair in both]
+    shorter = min(len(in_family), len(held_out))
+    return examples_of(order + in_family[shorter:] + held_out[shorter:], "eval")
 
 
 def solution_traces(
@@ -148,49 +92,58 @@ def solution_traces(
 ):
     """A worked solution per problem, as cold-start conversations: a line of reasoning, a code call,
     the sandbox's real output, and the \\boxed{} answer; a `mistake_share` of them first run a wrong
-    attempt, see its error or wrong result, and correct it with a second call."""
+    attempt, see its error or wrong result, and correct it with a second call (a mistake that happens
+    to print the right answer is left out). The wrong attempt is context only ("weight": 0): the cold
+    start teaches the correction, not the mistake."""
     from jobs.cold_start import Conversation, SolutionTurn
 
     rng = random.Random(seed)
     with_mistake = [rng.random() < mistake_share for _ in problems]
-    codes = [
-        code for (_, p), wrong in zip(problems, with_mistake) for code in ([p.mistake] if wrong else []) + [p.code]
-    ]
-    outputs = iter(sandbox.observation(result) for result in sandbox.run_many(codes))
+    endings = [rng.choice(ENDINGS) for _ in problems]
+    codes = [code for _, problem in problems for code in (problem.mistake, problem.code)]
+    outputs = [sandbox.observation(result) for result in sandbox.run_many(codes)]
     conversations = []
-    for line, ((_, problem), id_, wrong) in enumerate(zip(problems, ids, with_mistake), start=1):
+    for number, ((family, problem), id_, wrong, ending) in enumerate(zip(problems, ids, with_mistake, endings)):
+        mistake_output, output = outputs[2 * number], outputs[2 * number + 1]
+        if output.strip() != problem.answer:
+            raise RuntimeError(f"the solution of {id_} printed {output!r}, not {problem.answer}")
         turns = []
-        if wrong:
-            turns.append(SolutionTurn(problem.plan, problem.mistake, next(outputs)))
-        turns.append(SolutionTurn(problem.correction if wrong else problem.plan, problem.code, next(outputs)))
-        if turns[-1].output.strip() != str(problem.answer):
-            raise RuntimeError(f"the solution of {id_} printed {turns[-1].output!r}, not {problem.answer}")
-        turns.append(
-            SolutionTurn(f"The code printed {problem.answer}, so the answer is $\\boxed{{{problem.answer}}}$.")
+        if wrong and mistake_output.strip() != problem.answer:
+            turns.append(SolutionTurn(problem.plan, problem.mistake, mistake_output, trained=False))
+            turns.append(SolutionTurn(problem.correction, problem.code, output))
+        else:
+            turns.append(SolutionTurn(problem.plan, problem.code, output))
+        turns.append(SolutionTurn(ending.format(answer=problem.answer)))
+        conversation = Conversation(
+            id_, number + 1, problem.question, problem.answer, tuple(turns), data_source(family)
         )
-        conversations.append(Conversation(id_, line, problem.question, str(problem.answer), tuple(turns)))
+        conversations.append(conversation)
     return conversations
 
 
-def write_traces(path: Path, count: int, seed: int, mistake_share: float) -> None:
-    """Cold-start conversations for the first `count` problems of the shipped training set."""
-    import json
+ENDINGS = (
+    "The code printed {answer}, so the answer is $\\boxed{{{answer}}}$.",
+    "The output is {answer}. The answer is $\\boxed{{{answer}}}$.",
+    "So the answer is $\\boxed{{{answer}}}$.",
+)
 
+
+def write_traces(path: Path, count: int, mistake_share: float) -> list:
+    """Cold-start conversations: `count` worked solutions of the sft families."""
     from jobs.atomic import write_text_atomically
     from jobs.cold_start import conversation_row
     from jobs.sandbox import Sandbox, SandboxConfig
 
-    problems = generate_problems(count, seed=1)  # the training set's problems (see main)
+    problems = generate_problems(count, SFT_SEED, families_of("sft"))
     sandbox = Sandbox(SandboxConfig(timeout_seconds=30.0, cpu_seconds=30))
     try:
-        conversations = solution_traces(
-            problems, [f"train-{i:05d}" for i in range(count)], sandbox, mistake_share, seed
-        )
+        ids = [f"sft-{index:05d}" for index in range(count)]
+        conversations = solution_traces(problems, ids, sandbox, mistake_share, MISTAKE_SEED)
     finally:
         sandbox.close()
-    write_text_atomically(
-        path, "".join(json.dumps(conversation_row(c), ensure_ascii=False) + "\n" for c in conversations)
-    )
+    rows = (json.dumps(conversation_row(c), ensure_ascii=False) + "\n" for c in conversations)
+    write_text_atomically(path, "".join(rows))
+    return conversations
 
 
 def main() -> None:
@@ -198,28 +151,28 @@ def main() -> None:
         prog="python -m jobs.synthetic", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, default=Path("data"), help="folder for the data files (default: data)")
-    parser.add_argument("--train", type=int, default=512, help="problems in synthetic_train.jsonl")
+    parser.add_argument("--traces", type=int, default=600, help="worked solutions in synthetic_sft.jsonl")
+    parser.add_argument("--train", type=int, default=1024, help="questions in synthetic_train.jsonl")
     parser.add_argument(
-        "--eval", type=int, default=64, help="problems in synthetic_eval.jsonl (held out from training)"
+        "--eval-per-family", type=int, default=7, help="evaluation questions per training family (in-family)"
     )
     parser.add_argument(
-        "--traces",
-        type=int,
-        default=0,
-        help="also write worked solutions of the first N training problems "
-        "to synthetic_sft.jsonl, running their code in the sandbox",
+        "--eval-per-held-out-family", type=int, default=24, help="evaluation questions per held-out family"
     )
     parser.add_argument(
         "--mistake-share", type=float, default=0.25, help="share of solutions that correct a wrong first call"
     )
     args = parser.parse_args()
-    write_examples(generate(args.train, seed=1, prefix="train"), args.out / "synthetic_train.jsonl")
-    write_examples(generate(args.eval, seed=2, prefix="eval"), args.out / "synthetic_eval.jsonl")
-    write_examples(generate(128, seed=3, prefix="easy", kinds=EASY), args.out / "synthetic_easy.jsonl")
-    print(f"wrote {args.train} train, {args.eval} eval and 128 easy problems under {args.out}/")
-    if args.traces:
-        write_traces(args.out / "synthetic_sft.jsonl", args.traces, seed=4, mistake_share=args.mistake_share)
-        print(f"wrote {args.traces} worked solutions to {args.out / 'synthetic_sft.jsonl'}")
+    sft = write_traces(args.out / "synthetic_sft.jsonl", args.traces, args.mistake_share)
+    training = training_questions(args.train)
+    write_examples(training, args.out / "synthetic_train.jsonl")
+    trained = frozenset([c.question for c in sft] + [e.question for e in training])
+    evaluation = evaluation_questions(args.eval_per_family, args.eval_per_held_out_family, trained)
+    write_examples(evaluation, args.out / "synthetic_eval.jsonl")
+    print(
+        f"wrote {args.traces} worked solutions, {args.train} training and {len(evaluation)} evaluation questions "
+        f"under {args.out}/"
+    )
 
 
 if __name__ == "__main__":

@@ -52,9 +52,10 @@ def conversations():
 
 def test_the_shipped_solutions_read_and_correct_a_share_of_mistakes():
     found = read_conversations(SHIPPED)
-    assert len(found) == 160 and all(c.turns[-1].code is None and "\\boxed{" in c.turns[-1].text for c in found)
+    assert len(found) == 600 and all(c.turns[-1].code is None and "\\boxed{" in c.turns[-1].text for c in found)
     corrected = [c for c in found if len(c.turns) == 3]
     assert 0.1 < len(corrected) / len(found) < 0.5
+    assert all(not c.turns[0].trained and c.turns[1].trained for c in corrected)  # the mistake is context only
     assert any("Error" in c.turns[0].output for c in corrected) and any(
         "Error" not in c.turns[0].output for c in corrected
     )
@@ -94,9 +95,10 @@ def test_the_loss_mask_covers_exactly_the_assistants_tokens(conversations, proto
                 == earlier.prompt_tokens + earlier.completion_tokens
             )
         emitted = [token for token, masked in zip(row["target_tokens"], row["loss_mask"]) if masked]
-        expected = [token for turn in trajectory.turns for token in turn.completion_tokens]
-        assert emitted == expected
-        texts = [assistant_text(turn, protocol.tool_format) for turn in conversation.turns]
+        trained = [turn.trained for turn in conversation.turns]
+        expected = [token for turn, on in zip(trajectory.turns, trained) for token in turn.completion_tokens if on]
+        assert emitted == expected  # a mistake ("weight": 0) is context, its correction is trained on
+        texts = [assistant_text(turn, protocol.tool_format) for turn in conversation.turns if turn.trained]
         assert protocol.decode(emitted) == "".join(texts)
         context = [token for token, masked in zip(row["target_tokens"], row["loss_mask"]) if not masked]
         with_specials = protocol.tokenizer.decode(context, skip_special_tokens=False)
@@ -147,6 +149,10 @@ MALFORMED = {
         },
     ],
     "must end with an assistant answer": [{"role": "user", "content": "q"}],
+    "field 'weight' must be 0 or 1, got 0.5": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "\\boxed{4}", "weight": 0.5},
+    ],
     "no \\'answer\\' field and no": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "it is 4"}],
 }
 

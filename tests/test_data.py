@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from jobs.data import DataError, MathExample, read_examples, shuffled, strip_dapo_wrapper, take_batch, write_examples
-from jobs.synthetic import EASY, GENERATORS, generate
+from jobs.synthetic import generate
 
 DAPO_CONTENT = (
     "Solve the following math problem step by step. The last line of your response should be of the form "
@@ -89,31 +89,3 @@ def test_take_batch_cycles_through_the_data():
     assert [e.id for e in take_batch(examples, 1, 3)] == ["t-00003", "t-00004", "t-00000"]
     with pytest.raises(DataError):
         take_batch([], 0, 3)
-
-
-def test_synthetic_problems_are_deterministic_and_cover_every_kind():
-    first, second = generate(8, seed=5, prefix="s"), generate(8, seed=5, prefix="s")
-    assert first == second
-    assert {e.data_source for e in first} == {f"synthetic/{kind}" for kind in GENERATORS if kind not in EASY}
-    assert all(e.answer.lstrip("-").isdigit() for e in first)
-
-
-def test_synthetic_answers_are_exact():
-    import random
-
-    from jobs.synthetic import conditional_count, linear_recurrence, modular_power
-
-    rng = random.Random(0)
-    problem = modular_power(rng)
-    question, answer = problem.question, problem.answer
-    base, rest = question.split("$")[1].split("^{")
-    exponent, modulus = rest.split("}")[0], question.split("$")[3]
-    assert answer == pow(int(base), int(exponent), int(modulus))
-    problem = conditional_count(random.Random(1))
-    assert 0 < problem.answer < int(problem.question.split("\\le ")[2].split("$")[0])
-    assert linear_recurrence(random.Random(2)).answer >= 0
-
-
-def test_shipped_data_sets_load():
-    assert len(read_examples("data/synthetic_train.jsonl")) == 512
-    assert len(read_examples("data/synthetic_eval.jsonl")) == 64
