@@ -46,6 +46,7 @@ def rows(correct_by_question):
                     "answer": "1",
                     "num_turns": 2 if ok else 1,
                     "code_calls": 1 if ok else 0,
+                    "code_calls_ok": 1 if ok and q == 2 else 0,  # question 0's one call raised
                     "stop_reason": "answer",
                     "final_text": "",
                     "extracted_answer": "1" if ok else None,
@@ -68,6 +69,8 @@ def test_summary_counts_by_hand():
     assert summary["pass_at_2"] == pytest.approx((0.5 + 0 + 1.0) / 3)
     assert summary["pass_at_4"] == pytest.approx(summary["pass_at_n"])
     assert summary["format"] == pytest.approx(5 / 12)  # the 4 correct, plus branch 0 of question 1
+    assert summary["valid_accuracy"] == pytest.approx(4 / 5)  # correct among the 5 valid answers
+    assert summary["tool_use"] == pytest.approx(4 / 12) and summary["valid_tool_use"] == pytest.approx(3 / 12)
     assert summary["stop_answer"] == 12 and summary["questions"] == 3
     with pytest.raises(ValueError, match="exactly n=4"):
         summarize_eval(rows([[True, False]]), n=4)

@@ -68,9 +68,10 @@ def test_a_cpu_engine_asleep_frees_its_memory_and_samples_the_same_after(engine)
     assert [[s.tokens for s in r] for r in first] == [[s.tokens for s in r] for r in again]
 
 
-def test_a_bfloat16_engine_serves_close_logprobs(tiny_model_dir, reference):
+def test_a_bfloat16_engine_serves_close_logprobs(engine, tiny_model_dir, reference):
     from jobs.vllm_sampler import VLLMSampler
 
+    engine.sleep()  # one in-process engine at a time: stopping one tears down the process's parallel groups
     engine = VLLMSampler(tiny_model_dir, device="cpu", max_model_len=512, dtype="bfloat16")
     try:
         gaps = []
