@@ -48,14 +48,17 @@ $(MODEL_DIR)/config.json: | $(INSTALLED)
 	$(PY) -m jobs.models default --out $(MODEL_DIR)
 
 data: $(INSTALLED)
-	$(PY) -m jobs.synthetic --out data --traces 160
+	$(PY) -m jobs.synthetic --out data
 
-# The last RL step of the default run (steps 0..RUN_STEP) and the evaluation samples per question.
+# The last RL step of the default run (steps 0..RUN_STEP), the evaluation samples per question, and the
+# held-out questions evaluated (the first RUN_LIMIT of data/synthetic_eval.jsonl, both kinds alike; 0: all 260).
 RUN_STEP ?= 3
 RUN_SAMPLES ?= 2
+RUN_LIMIT ?= 64
 
 run: $(VLLM_INSTALLED) model
-	LUIGI_CONFIG_PATH=configs/cpu.cfg $(VENV)/bin/luigi --module pipeline BeforeAfter --step $(RUN_STEP) --n $(RUN_SAMPLES)
+	LUIGI_CONFIG_PATH=configs/cpu.cfg $(VENV)/bin/luigi --module pipeline BeforeAfter --step $(RUN_STEP) --n $(RUN_SAMPLES) \
+		--limit $(RUN_LIMIT)
 
 test: $(INSTALLED) $(VLLM_INSTALLED) model
 	$(VENV)/bin/ruff check .

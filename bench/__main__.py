@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from bench.benchmarks import (
     bench_stage_overhead,
     bench_trainer,
 )
-from bench.learning import bench_learning
+from bench.learning import LEARNING_SAMPLES, LEARNING_STEPS, bench_learning
 from bench.server import bench_server
 from jobs.models import build_default_model
 
@@ -36,12 +37,34 @@ def main() -> None:
         prog="python -m bench", description="Benchmarks: figures, and the configuration behind them."
     )
     parser.add_argument("names", nargs="*", help=f"benchmarks to run, of {', '.join(BENCHMARKS)} (default: all)")
+    learning = parser.add_argument_group("learning", "options of the learning benchmark")
+    learning.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.NAME=VALUE", help="a setting other than cpu.cfg's"
+    )
+    learning.add_argument("--steps", type=int, default=LEARNING_STEPS, help="RL steps (default: %(default)s)")
+    learning.add_argument("--samples", type=int, default=LEARNING_SAMPLES, help="evaluation samples per question")
+    learning.add_argument(
+        "--reuse", type=Path, help="an earlier learning run whose cold start and base/SFT scores to reuse"
+    )
+    learning.add_argument("--against", type=Path, help="an earlier learning run to pair the final policy with")
+    parser.add_argument("--out", type=Path, help="keep the benchmarks' run folders here (default: a temporary folder)")
     args = parser.parse_args()
+    BENCHMARKS["learning"] = functools.partial(
+        bench_learning,
+        overrides=args.set,
+        steps=args.steps,
+        samples=args.samples,
+        reuse=args.reuse,
+        against=args.against,
+    )
     unknown = [name for name in args.names if name not in BENCHMARKS]
     if unknown:
         parser.error(f"unknown benchmarks {unknown}; choose from {', '.join(BENCHMARKS)}")
     build_default_model()
-    with tempfile.TemporaryDirectory(prefix="retool-bench-") as workdir:
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="retool-bench-", dir=args.out) as temporary:
+        workdir = args.out or temporary
         for name in args.names or BENCHMARKS:
             started = time.perf_counter()
             rows = BENCHMARKS[name](Path(workdir))

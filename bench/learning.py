@@ -1,45 +1,147 @@
-"""The learning benchmark: does the default run learn? (`python -m bench learning`)"""
+"""The learning benchmark: does the default run learn? (`python -m bench learning`)
+
+The default CPU run (configs/cpu.cfg) with more RL steps and more evaluation samples: the base model, the
+cold start (SFT) and SFT + RL on the held-out questions of data/synthetic_eval.jsonl, in-family and
+held-out-family questions apart, with the paired 95 % intervals; then the RL diagnostics of every step.
+`--set trainer.learning_rate=1e-5` tries another recipe; `--reuse RUN` starts from the cold start and the
+base and SFT evaluations of an earlier run with the same cold-start settings, so that recipes of the RL
+stage are compared on the same SFT checkpoint (and `--against RUN` pairs the final policies question by
+question).
+"""
 
 from __future__ import annotations
 
+import json
+import resource
+import shutil
 from pathlib import Path
 
 from bench.benchmarks import REPO, default_run_settings, luigi_build
 
-LEARNING_STEPS = 8  # RL steps of the learning benchmark
-LEARNING_SAMPLES = 4  # evaluation samples per held-out question
+LEARNING_STEPS = 10  # RL steps of the learning benchmark
+LEARNING_SAMPLES = 2  # evaluation samples per held-out question (all 260 of them)
 
 
-def bench_learning(workdir: Path) -> list[tuple[str, str]]:
-    """The default CPU run (configs/cpu.cfg) with more RL steps: base vs cold start (SFT) vs SFT+RL on
-    the held-out questions of data/synthetic_eval.jsonl, and the RL curve; the curve is also drawn to
-    docs/learning-curve.png."""
+def parse_overrides(assignments: list[str]) -> dict[str, dict[str, str]]:
+    """`section.name=value` assignments, by section."""
+    sections: dict[str, dict[str, str]] = {}
+    for assignment in assignments:
+        key, _, value = assignment.partition("=")
+        section, _, name = key.partition(".")
+        if not value or not name:
+            raise SystemExit(f"--set {assignment!r}: expected section.name=value, e.g. trainer.learning_rate=1e-5")
+        sections.setdefault(section, {})[name.replace("-", "_")] = value
+    return sections
+
+
+def reuse_cold_start(earlier: Path, run: Path) -> None:
+    """The cold start and the evaluations of the base and SFT policies of `earlier`, copied into `run`."""
+    if not (earlier / "sft" / "checkpoint" / "_SUCCESS").exists():
+        raise SystemExit(f"--reuse {earlier}: no finished cold start there")
+    shutil.copytree(earlier / "sft", run / "sft", dirs_exist_ok=True)
+    for folder in earlier.glob("eval/*/*/step=base"), earlier.glob("eval/*/*/step=sft"):
+        for evaluation in folder:
+            shutil.copytree(evaluation, run / evaluation.relative_to(earlier), dirs_exist_ok=True)
+
+
+def bench_learning(
+    workdir: Path,
+    overrides: list[str] = (),
+    steps: int = LEARNING_STEPS,
+    samples: int = LEARNING_SAMPLES,
+    reuse: Path | None = None,
+    against: Path | None = None,
+) -> list[tuple[str, str]]:
     from jobs.analysis import metrics_by_step
     from jobs.report import plot_learning_curve, save
-    from pipeline.tasks import BeforeAfter
+    from pipeline.tasks import BeforeAfter, Evaluate
 
-    settings = default_run_settings().changed(run={"runs_dir": str(workdir), "name": "learning"})
-    wall = luigi_build(settings, BeforeAfter, step=LEARNING_STEPS - 1, n=LEARNING_SAMPLES)
-    task = BeforeAfter(step=LEARNING_STEPS - 1, n=LEARNING_SAMPLES)
+    settings = default_run_settings()
+    sections = _typed(settings, parse_overrides(list(overrides)))
+    sections["run"] = {**sections.get("run", {}), "runs_dir": str(workdir), "name": "learning"}
+    settings = settings.changed(**sections)
+    if reuse is not None:
+        reuse_cold_start(reuse, settings.run_dir)
+    wall = luigi_build(settings, BeforeAfter, step=steps - 1, n=samples)
+    task = BeforeAfter(step=steps - 1, n=samples)
     metrics = metrics_by_step(settings.run_dir)
-    save(plot_learning_curve(metrics), REPO / "docs" / "learning-curve.png")
+    if not overrides and reuse is None:
+        save(plot_learning_curve(metrics), REPO / "docs" / "learning-curve.png")
     rows = [
-        ("config", f"configs/cpu.cfg, {LEARNING_STEPS} RL steps, Evaluate n={LEARNING_SAMPLES} on {task.dataset}"),
-        ("wall time", f"{wall:.0f} s"),
+        ("config", f"configs/cpu.cfg {' '.join(overrides)}, {steps} RL steps, Evaluate n={samples} on {task.dataset}"),
+        ("run folder", str(settings.run_dir)),
+        ("wall time", f"{wall:.0f} s" + (f" (cold start and base/SFT evaluations from {reuse})" if reuse else "")),
+        ("peak resident memory", _peak_memory()),
     ]
-    rows += [
-        (f"  {line.split('|')[1].strip()}", "|".join(line.split("|")[2:-1]).strip())
-        for line in Path(task.output().path).read_text().splitlines()
-        if line.startswith("| ") and not line.startswith("| policy")
-    ]
-    rows += [("paired", line) for line in Path(task.output().path).read_text().splitlines() if "paired" in line]
+    table = Path(task.output().path).read_text()
+    group = ""
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.split("|")[1:-1]]
+        if len(cells) > 2 and cells[1] not in ("policy", "---"):
+            group = cells[0] or group
+            rows.append((f"  {group.split(' (')[0]}: {cells[1]}", " | ".join(cells[2:])))
+        elif "paired" in line:
+            rows.append(("paired", line))
+    rows += _stage_seconds(settings.run_dir)
     for row in metrics.iter_rows(named=True):
-        rows.append(
-            (
-                f"RL step {row['step']}",
-                f"reward {row['reward_mean']:+.3f}, correct {row['correct']:.3f}, degenerate groups "
-                f"{row['degenerate_group_rate']:.2f}, update {'skipped' if row['train_skipped'] else 'made'}, "
-                f"sampler gap {row['train_logprob_gap']:.1e}",
-            )
-        )
+        rows.append((f"RL step {row['step']}", _step_line(row)))
+    if against is not None:
+        final = Evaluate(step=steps - 1, n=samples).context.folder
+        rows += _paired_against(final, against / final.relative_to(settings.run_dir))
+    return rows
+
+
+def _peak_memory() -> str:
+    """The largest resident set of this process (the trainer and the in-process engine) and of any child."""
+    own, child = (resource.getrusage(who).ru_maxrss / 2**20 for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return f"{own:.1f} GiB (this process), {child:.1f} GiB (its largest child process)"
+
+
+def _typed(settings, sections: dict[str, dict[str, str]]) -> dict[str, dict]:
+    """String values converted to the type of each field."""
+    typed = {}
+    for section, values in sections.items():
+        config = getattr(settings, section)
+        typed[section] = {}
+        for name, value in values.items():
+            current = getattr(config, name)
+            convert = (lambda v: v.lower() in ("1", "true", "yes")) if isinstance(current, bool) else type(current)
+            typed[section][name] = convert(value)
+    return typed
+
+
+def _step_line(row: dict) -> str:
+    return (
+        f"reward {row['reward_mean']:+.3f}, correct {row['correct']:.3f}, format {row['format']:.3f}, correct of "
+        f"valid {row['valid_accuracy']:.3f}, groups kept {row['groups_kept']}/{row['groups_drawn']}, "
+        f"{row['train_updates']} updates, entropy {row['train_entropy']:.3f}, KL k1 {row['train_kl_k1']:.1e} k3 "
+        f"{row['train_kl_k3']:.1e}, clipped {row['train_clip_fraction']:.3f}, sampled tokens "
+        f"{row['sampled_tokens_correct']:.0f}/{row['sampled_tokens_wrong']:.0f} (correct/wrong), sampler gap "
+        f"{row['train_logprob_gap']:.1e}"
+    )
+
+
+def _stage_seconds(run: Path) -> list[tuple[str, str]]:
+    """Wall time of each stage, summed over the run's steps and evaluations."""
+    totals: dict[str, float] = {}
+    for path in run.glob("**/_timings/*.json"):
+        entry = json.loads(path.read_text())
+        kind = "evaluation" if "/eval/" in str(path) else "sft" if "/sft/" in str(path) else "training step"
+        key = f"{kind}: {entry['stage']}"
+        totals[key] = totals.get(key, 0.0) + entry["seconds"]
+    return [(f"seconds, {key}", f"{seconds:.0f}") for key, seconds in sorted(totals.items())]
+
+
+def _paired_against(final: Path, other: Path) -> list[tuple[str, str]]:
+    """This run's final policy against another run's on the same questions, in-family and held-out apart."""
+    from jobs.evaluation import paired_difference, question_groups
+    from jobs.stages.summary import training_sources
+    from jobs.tables import TRAJECTORIES, read_table
+    from pipeline.config import current_settings
+
+    ours, theirs = (read_table(folder / "trajectories.parquet", TRAJECTORIES) for folder in (final, other))
+    rows = []
+    for group, part in question_groups(ours, training_sources(current_settings())).items():
+        mean, half_width, questions = paired_difference(theirs, part)
+        rows.append((f"vs {other}: {group}", f"Average {mean:+.3f} ± {half_width:.3f} over {questions} questions"))
     return rows
