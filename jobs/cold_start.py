@@ -329,6 +329,7 @@ def train_cold_start(
     for step in range(len(losses), config.steps):
         batch = [datums[i] for i in batch_indices(len(datums), config.batch_size, step, config.seed)]
         metrics = train_step(model, optimizer, batch, trainer, len(batch), device)
+        release_memory(device)  # each step's activations differ in size: without it the heap grows step by step
         losses.append(
             {
                 "step": step,
