@@ -46,12 +46,7 @@ def test_replies_have_the_asked_shape(engine):
 def test_logprobs_match_a_transformers_forward_pass(engine, reference):
     for request, sequences in zip(requests(), engine.sample(requests(), SamplingSettings())):
         for sequence in sequences:
-            ids = torch.tensor([list(request.prompt_tokens) + list(sequence.tokens)])
-            with torch.no_grad():
-                logprobs = reference(ids).logits[0].float().log_softmax(-1)
-            start = len(request.prompt_tokens) - 1
-            expected = [logprobs[start + i, token].item() for i, token in enumerate(sequence.tokens)]
-            assert max(abs(a - b) for a, b in zip(expected, sequence.logprobs)) < 1e-3
+            assert max(logprob_gaps(reference, request, sequence)) < 1e-3
 
 
 def test_seeds_make_samples_reproducible(engine):
@@ -74,17 +69,12 @@ def test_a_bfloat16_engine_serves_close_logprobs(engine, tiny_model_dir, referen
     engine.sleep()  # one in-process engine at a time: stopping one tears down the process's parallel groups
     engine = VLLMSampler(tiny_model_dir, device="cpu", max_model_len=512, dtype="bfloat16")
     try:
-        gaps = []
-        for request, sequences in zip(requests(), engine.sample(requests(), SamplingSettings())):
-            for sequence in sequences:
-                ids = torch.tensor([list(request.prompt_tokens) + list(sequence.tokens)])
-                with torch.no_grad():
-                    logprobs = reference(ids).logits[0].float().log_softmax(-1)
-                start = len(request.prompt_tokens) - 1
-                gaps += [
-                    abs(logprobs[start + i, t].item() - lp)
-                    for i, (t, lp) in enumerate(zip(sequence.tokens, sequence.logprobs))
-                ]
+        gaps = [
+            gap
+            for request, sequences in zip(requests(), engine.sample(requests(), SamplingSettings()))
+            for sequence in sequences
+            for gap in logprob_gaps(reference, request, sequence)
+        ]
     finally:
         engine.close()
     assert 0 < sum(gaps) / len(gaps) < 0.05  # not float32's 1e-6, but within the policy-sync check of a GPU run
@@ -127,17 +117,21 @@ def test_a_lora_checkpoint_is_served_as_a_fresh_adapter(engine, tiny_model_dir, 
     assert engine.lora_request is None
 
 
-def max_gap(engine, model, request) -> float:
-    """The largest difference between the engine's logprobs of its own sample and `model`'s."""
-    sequence = engine.sample([request], SamplingSettings())[0][0]
+def logprob_gaps(model, request, sequence) -> list[float]:
+    """|engine logprob - `model`'s logprob| of each token the engine sampled for `request`."""
     ids = torch.tensor([list(request.prompt_tokens) + list(sequence.tokens)])
     with torch.no_grad():
         logprobs = model(ids).logits[0].float().log_softmax(-1)
     start = len(request.prompt_tokens) - 1
-    return max(
+    return [
         abs(logprobs[start + i, token].item() - value)
         for i, (token, value) in enumerate(zip(sequence.tokens, sequence.logprobs))
-    )
+    ]
+
+
+def max_gap(engine, model, request) -> float:
+    """The largest difference between the engine's logprobs of its own sample and `model`'s."""
+    return max(logprob_gaps(model, request, engine.sample([request], SamplingSettings())[0][0]))
 
 
 def test_full_weights_and_an_adapter_over_them_are_served_exactly(engine, tiny_model_dir, tmp_path):
