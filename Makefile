@@ -45,10 +45,10 @@ $(VLLM_INSTALLED): $(INSTALLED)
 model: $(MODEL_DIR)/config.json
 
 $(MODEL_DIR)/config.json: | $(INSTALLED)
-	$(PY) -m jobs.models default --out $(MODEL_DIR)
+	$(PY) -m retool model default --out $(MODEL_DIR)
 
 data: $(INSTALLED)
-	$(PY) -m jobs.synthetic --out data
+	$(PY) -m retool synthetic --out data
 
 # The last RL step of the default run (steps 0..RUN_STEP), the evaluation samples per question, and the
 # held-out questions evaluated (the first RUN_LIMIT of data/synthetic_eval.jsonl, both kinds alike; 0: all 260).

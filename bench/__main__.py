@@ -18,7 +18,7 @@ from bench.benchmarks import (
 )
 from bench.learning import LEARNING_SAMPLES, LEARNING_STEPS, bench_learning
 from bench.server import bench_server
-from jobs.models import build_default_model
+from retool.weights.models import build_default_model
 
 BENCHMARKS = {
     "pipeline": bench_pipeline_vs_memory,

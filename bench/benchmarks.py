@@ -11,15 +11,17 @@ from pathlib import Path
 import luigi
 import pyarrow.parquet as pq
 
-from jobs.context import protocol_for, sampler_for, sandbox_for
-from jobs.models import DEFAULT_MODEL_DIR, build_default_model
-from jobs.protocol import BUNDLED_TEMPLATE, tool_call_text
-from jobs.rollout import rollout_in_memory
-from jobs.rollout_config import seed_turn
-from jobs.runs import step_examples
-from jobs.sampling import SampleRequest, SamplingSettings, ScriptedSampler
-from jobs.sandbox import Sandbox, SandboxConfig
-from jobs.settings import RunSettings, setting_fields
+from retool.config.rollout import seed_turn
+from retool.config.sandbox import SandboxConfig
+from retool.config.settings import RunSettings, setting_fields
+from retool.protocol.chat import BUNDLED_TEMPLATE, tool_call_text
+from retool.rollout.state import rollout_in_memory
+from retool.run.context import protocol_for, sandbox_for, step_examples
+from retool.sampling.contract import SampleRequest, SamplingSettings
+from retool.sampling.engines import sampler_for
+from retool.sampling.scripted import ScriptedSampler
+from retool.sandbox.call import Sandbox
+from retool.weights.models import DEFAULT_MODEL_DIR, build_default_model
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTED = RunSettings().changed(
@@ -167,9 +169,9 @@ def bench_stage_overhead(workdir: Path) -> list[tuple[str, str]]:
     wall time outside every task's run() (Luigi's scheduling and completeness checks) plus the
     Parquet reads and writes inside them (_timings/*.json). The tokenizer and the sandbox's zygote
     are loaded before the clock starts, once a run; loading the model is a stage's own work."""
-    from jobs.metrics import stage_timings
-    from jobs.runs import step_folder
     from pipeline.tasks import TrainStep
+    from retool.evaluation.metrics import stage_timings
+    from retool.files.layout import step_folder
 
     settings = default_run_settings().changed(
         run={"runs_dir": str(workdir), "name": "default-step"}, cold_start={"data": ""}
@@ -223,34 +225,34 @@ def bench_sandbox(_: Path) -> list[tuple[str, str]]:
     return rows
 
 
-def bench_trainer(_: Path) -> list[tuple[str, str]]:
+def _random_datums(count: int) -> list:
+    """Datums of random tokens, 150 to 300 long, the second half of each trained on with advantage +-0.5."""
     import random
 
-    import torch
+    from retool.rollout.datums import Datum
 
-    from jobs.datums import Datum
-    from jobs.packing import pack_micro_batches
-    from jobs.trainer import TrainerConfig, load_policy, train_step
-
-    config = TrainerConfig(lora_rank=32, micro_batch_items=4, micro_batch_tokens=2048)
-    model, optimizer = load_policy(build_default_model(), None, config)
     rng = random.Random(0)
     datums = []
-    for index in range(6):
+    for index in range(count):
         length = rng.randint(150, 300)
         tokens = [rng.randint(100, 40000) for _ in range(length)]
         mask = [position > length // 2 for position in range(length - 1)]
-        datums.append(
-            Datum(
-                0,
-                index,
-                tokens[:-1],
-                tokens[1:],
-                [-1.0 if m else 0.0 for m in mask],
-                [(0.5 if index % 2 else -0.5) if m else 0.0 for m in mask],
-                mask,
-            )
-        )
+        old_logprobs = [-1.0 if m else 0.0 for m in mask]
+        advantages = [(0.5 if index % 2 else -0.5) if m else 0.0 for m in mask]
+        datums.append(Datum(0, index, tokens[:-1], tokens[1:], old_logprobs, advantages, mask))
+    return datums
+
+
+def bench_trainer(_: Path) -> list[tuple[str, str]]:
+    import torch
+
+    from retool.config.trainer import TrainerConfig
+    from retool.training.packing import pack_micro_batches
+    from retool.training.step import load_policy, train_step
+
+    config = TrainerConfig(lora_rank=32, micro_batch_items=4, micro_batch_tokens=2048)
+    model, optimizer = load_policy(build_default_model(), None, config)
+    datums = _random_datums(6)
 
     def bare_tokens_per_second() -> float:
         started = time.perf_counter()
@@ -287,8 +289,8 @@ def bench_trainer(_: Path) -> list[tuple[str, str]]:
 
 def bench_sampler(workdir: Path) -> list[tuple[str, str]]:
     """Each sampler on the default model: directly, and (hf) through the SampleRound stage."""
-    from jobs.vllm_sampler import vllm_available
     from pipeline.tasks import SampleRound
+    from retool.sampling.vllm_engine import vllm_available
 
     settings = SCRIPTED.changed(
         run={"runs_dir": str(workdir), "name": "sampler"},

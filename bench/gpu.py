@@ -22,12 +22,12 @@ from pathlib import Path
 
 import torch
 
-from jobs.adapter_names import ADAPTER_WEIGHTS, adapter_for_engine
-from jobs.datums import Datum
-from jobs.memory_plan import GIB, plan_step, shape_of
-from jobs.sampling import SamplerConfig
-from jobs.trainer import load_policy, prepare_policy, train_step
-from jobs.trainer_config import TrainerConfig
+from retool.config.sampler import SamplerConfig
+from retool.config.trainer import TrainerConfig
+from retool.rollout.datums import Datum
+from retool.sampling.adapters import ADAPTER_WEIGHTS, adapter_for_engine
+from retool.training.memory_plan import GIB, plan_step, shape_of
+from retool.training.step import load_policy, prepare_policy, train_step
 
 # The text model of Qwen3.5-4B as published (model_type qwen3_5_text).
 QWEN35_4B = dict(
@@ -105,7 +105,7 @@ def check_tiny_qwen35(workdir: Path, device: str) -> dict:
     """One PPO step of LoRA on the tiny Qwen3.5 in bfloat16 with checkpointing; its adapter names."""
     from safetensors.torch import load_file
 
-    from jobs.checkpoints import save_checkpoint
+    from retool.training.checkpoints import save_checkpoint
 
     started = time.perf_counter()
     base = build_tiny_qwen35(workdir / "tiny-qwen35")

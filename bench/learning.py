@@ -52,9 +52,9 @@ def bench_learning(
     reuse: Path | None = None,
     against: Path | None = None,
 ) -> list[tuple[str, str]]:
-    from jobs.analysis import metrics_by_step
-    from jobs.report import plot_learning_curve, save
     from pipeline.tasks import BeforeAfter, Evaluate
+    from retool.evaluation.analysis import metrics_by_step
+    from retool.evaluation.report import plot_learning_curve, save
 
     settings = default_run_settings()
     sections = _typed(settings, parse_overrides(list(overrides)))
@@ -134,10 +134,10 @@ def _stage_seconds(run: Path) -> list[tuple[str, str]]:
 
 def _paired_against(final: Path, other: Path) -> list[tuple[str, str]]:
     """This run's final policy against another run's on the same questions, in-family and held-out apart."""
-    from jobs.evaluation import paired_difference, question_groups
-    from jobs.stages.summary import training_sources
-    from jobs.tables import TRAJECTORIES, read_table
     from pipeline.config import current_settings
+    from retool.evaluation.scores import paired_difference, question_groups
+    from retool.files.tables import TRAJECTORIES, read_table
+    from retool.stages.summary import training_sources
 
     ours, theirs = (read_table(folder / "trajectories.parquet", TRAJECTORIES) for folder in (final, other))
     rows = []

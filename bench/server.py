@@ -17,12 +17,11 @@ import zlib
 from pathlib import Path
 
 from bench.benchmarks import REPO, default_run_settings, luigi_build
-from jobs.context import protocol_for, sandbox_for
-from jobs.rollout import rollout_in_memory
-from jobs.runs import step_examples
-from jobs.sandbox import Sandbox
-from jobs.serve import start_server, stop_server
-from jobs.settings import RunSettings, setting_fields
+from retool.config.settings import RunSettings, setting_fields
+from retool.rollout.state import rollout_in_memory
+from retool.run.context import protocol_for, sandbox_for, step_examples
+from retool.sampling.server import start_server, stop_server
+from retool.sandbox.call import Sandbox
 
 TAIL_SECONDS = 8.0  # comparable to a round's sampling on two CPU cores, as a slow tool call is to a GPU's
 SHARDS = 4
@@ -59,8 +58,8 @@ def cold_started(workdir: Path) -> RunSettings:
 
 
 def bench_server(workdir: Path) -> list[tuple[str, str]]:
-    from jobs.vllm_sampler import VLLMSampler
     from pipeline.tasks import ScoreTrajectories
+    from retool.sampling.vllm_engine import VLLMSampler
 
     settings = cold_started(workdir).changed(data={"questions_per_step": 8})
     examples = step_examples(settings, 0, None)

@@ -7,8 +7,8 @@ from functools import lru_cache
 import luigi
 import luigi.cmdline_parser
 
-from jobs.run_setup import FLAT_NAMES
-from jobs.settings import RunSettings, SettingsError, setting_fields
+from retool.config.settings import RunSettings, SettingsError, setting_fields
+from retool.run.setup import FLAT_NAMES
 
 _PARAMETER_TYPES = {
     bool: luigi.BoolParameter,

@@ -7,9 +7,9 @@ from __future__ import annotations
 import logging
 import os
 
-from jobs.data import DataError
-from jobs.protocol import TemplateError
-from jobs.settings import SettingsError
+from retool.config.settings import SettingsError
+from retool.data.examples import DataError
+from retool.protocol.chat import TemplateError
 
 INPUT_ERRORS = (SettingsError, DataError, TemplateError)
 

@@ -7,18 +7,20 @@ import functools
 
 import luigi
 
-from jobs.cold_start import describe_cold_start, losses_table
-from jobs.context import RunContext, context_for, open_run, reclaim_sampler_memory, release_sampler_memory
-from jobs.evaluation import EVAL_MODES, describe_eval
-from jobs.metrics import record_stage_seconds
-from jobs.report import make_report
-from jobs.runs import EvalSpec, sft_folder
-from jobs.stages.rollout import datums_table, describe, execute_round, prompts_table, sample_round, score_step
-from jobs.stages.summary import before_after_stage, evaluate_stage, metrics_stage, training_sources
-from jobs.stages.training import cold_start_stage, describe_metrics, sft_examples_stage, train_stage
-from jobs.tables import SAMPLES, TRAJECTORIES, parquet_seconds, read_table, write_table_atomically
 from pipeline.config import current_settings
 from pipeline.outcome import note_failure, watch_if_named_on_the_command_line
+from retool.evaluation.metrics import record_stage_seconds
+from retool.evaluation.report import make_report
+from retool.evaluation.scores import EVAL_MODES, describe_eval
+from retool.evaluation.spec import EvalSpec
+from retool.files.layout import sft_folder
+from retool.files.tables import SAMPLES, TRAJECTORIES, parquet_seconds, read_table, write_table_atomically
+from retool.run.context import RunContext, context_for, open_run
+from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memory
+from retool.stages.rollout import datums_table, describe, execute_round, prompts_table, sample_round, score_step
+from retool.stages.summary import before_after_stage, evaluate_stage, metrics_stage, training_sources
+from retool.stages.training import cold_start_stage, describe_metrics, sft_examples_stage, train_stage
+from retool.training.cold_start import describe_cold_start, losses_table
 
 
 class RunTask(luigi.Task):
@@ -287,7 +289,7 @@ class Evaluate(RunTask):
 
 class Report(RunTask):
     """Once training step `step` is done: plots and a Markdown summary of everything the run folder holds
-    (later steps too, if any), under runs/<run>/report/step=NNNN/ (`python -m jobs.report runs/NAME` by hand)."""
+    (later steps too, if any), under runs/<run>/report/step=NNNN/ (`python -m retool report runs/NAME` by hand)."""
 
     def requires(self):
         return TrainStep(step=self.step)

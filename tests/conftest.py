@@ -9,8 +9,8 @@ from pathlib import Path
 import luigi
 import pytest
 
-from jobs.models import DEFAULT_MODEL_DIR, build_default_model, build_tiny_model
-from jobs.protocol import BUNDLED_TEMPLATE, ChatProtocol, load_tokenizer
+from retool.protocol.chat import BUNDLED_TEMPLATE, ChatProtocol, load_tokenizer
+from retool.weights.models import DEFAULT_MODEL_DIR, build_default_model, build_tiny_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from jobs.protocol import ChatProtocol
-from jobs.protocol import tool_call_text as protocol_tool_call_text
-from jobs.rollout_config import seed_turn
-from jobs.sandbox import ExecutionResult, SandboxStats
+from retool.config.rollout import seed_turn
+from retool.protocol.chat import ChatProtocol
+from retool.protocol.chat import tool_call_text as protocol_tool_call_text
+from retool.sandbox.call import ExecutionResult, SandboxStats
 
 
 def tool_call_text(code: str, tool_format: str, preamble: str = "Let me compute this.") -> str:
@@ -45,7 +45,7 @@ class InstantSandbox:
 
 
 def turn_of(request) -> int:
-    """The turn number a request samples (packed in its seed, see jobs.rollout_config.sample_seed)."""
+    """The turn number a request samples (packed in its seed, see retool.config.rollout.sample_seed)."""
     return seed_turn(request.seed)
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import luigi
 
-import jobs.context
 import pipeline.tasks
-from jobs.runs import step_examples
+import retool.sampling.engines
 from pipeline import ScoreTrajectories
+from retool.run.context import step_examples
 from tests.policies import branching_tools
 
 
@@ -22,7 +22,7 @@ def tool_policy(settings, _step=None):
 
 def build(settings, step, sampler=None, monkeypatch=None):
     if sampler is not None:
-        monkeypatch.setattr(jobs.context, "sampler_for", lambda settings, policy=None, shard=0: sampler)
+        monkeypatch.setattr(retool.sampling.engines, "sampler_for", lambda settings, policy=None, shard=0: sampler)
     return luigi.build([ScoreTrajectories(step=step)], local_scheduler=True, workers=1, log_level="WARNING")
 
 
@@ -35,5 +35,5 @@ TRAIN = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3, "micro_batch_it
 
 
 def build_train(settings, step, sampler, monkeypatch):
-    monkeypatch.setattr(jobs.context, "sampler_for", lambda settings, policy=None, shard=0: sampler)
+    monkeypatch.setattr(retool.sampling.engines, "sampler_for", lambda settings, policy=None, shard=0: sampler)
     return luigi.build([pipeline.tasks.TrainStep(step=step)], local_scheduler=True, workers=1, log_level="WARNING")

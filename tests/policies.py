@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from jobs.context import protocol_for
-from jobs.runs import step_examples
-from jobs.sampling import ScriptedSampler
+from retool.run.context import protocol_for, step_examples
+from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import scripted, tool_call_text
 
 

@@ -6,9 +6,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import jobs.sandbox
-from jobs.sandbox import Sandbox
-from jobs.tables import SAMPLES, TableError, read_table
+import retool.sandbox.call
+from retool.files.tables import SAMPLES, TableError, read_table
+from retool.sandbox.call import Sandbox
 from tests.pipeline_helpers import TRAIN, build, build_train, step_dir, tool_policy
 
 
@@ -33,7 +33,7 @@ def test_foreign_parquet_names_the_missing_columns(tmp_path):
 
 def test_a_sandbox_failure_affects_only_its_call(monkeypatch):
     sandbox = Sandbox()
-    real_mkdtemp = jobs.sandbox.tempfile.mkdtemp
+    real_mkdtemp = retool.sandbox.call.tempfile.mkdtemp
     calls = []
 
     def flaky_mkdtemp(*args, **kwargs):
@@ -42,7 +42,7 @@ def test_a_sandbox_failure_affects_only_its_call(monkeypatch):
             raise OSError("no more processes")
         return real_mkdtemp(*args, **kwargs)
 
-    monkeypatch.setattr(jobs.sandbox.tempfile, "mkdtemp", flaky_mkdtemp)
+    monkeypatch.setattr(retool.sandbox.call.tempfile, "mkdtemp", flaky_mkdtemp)
     results = [sandbox.run_code(f"print({i})") for i in range(3)]
     assert [r.status for r in results] == ["ok", "error", "ok"]
     assert "SandboxError: the sandbox could not run this code (OSError: no more processes)" in sandbox.observation(
@@ -65,9 +65,9 @@ def test_checkpoint_without_success_marker_is_trained_again(configure, monkeypat
 def test_a_training_group_of_one_is_refused_but_an_evaluation_with_n_1_runs():
     from dataclasses import replace
 
-    from jobs.rollout_config import RolloutConfig
-    from jobs.runs import EvalSpec, rollout_settings
-    from jobs.settings import DataConfig, RunSettings, SettingsError, check_training
+    from retool.config.rollout import RolloutConfig
+    from retool.config.settings import DataConfig, RunSettings, SettingsError, check_training
+    from retool.evaluation.spec import EvalSpec, rollout_settings
 
     with pytest.raises(SettingsError, match="group_size = 1: training needs at least 2 samples per question"):
         check_training(RunSettings(rollout=RolloutConfig(group_size=1)))
@@ -80,8 +80,8 @@ def test_a_training_group_of_one_is_refused_but_an_evaluation_with_n_1_runs():
 def test_an_evaluation_set_larger_than_the_seed_layout_names_the_file(tmp_path):
     import json
 
-    from jobs.runs import EvalSpec, rollout_settings
-    from jobs.settings import RunSettings, SettingsError
+    from retool.config.settings import RunSettings, SettingsError
+    from retool.evaluation.spec import EvalSpec, rollout_settings
 
     big = tmp_path / "big.jsonl"
     big.write_text("".join(json.dumps({"id": str(i), "question": "q", "answer": "1"}) + "\n" for i in range(4097)))
@@ -90,7 +90,7 @@ def test_an_evaluation_set_larger_than_the_seed_layout_names_the_file(tmp_path):
 
 
 def test_chat_template_arguments_must_be_a_json_object():
-    from jobs.settings import ModelConfig, SettingsError
+    from retool.config.settings import ModelConfig, SettingsError
 
     assert ModelConfig(chat_template_kwargs='{"reasoning_effort": "low"}').template_kwargs() == {
         "enable_thinking": False,

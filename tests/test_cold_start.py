@@ -11,23 +11,24 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jobs.cold_start import (
-    ColdStartConfig,
+from retool.config.cold_start import ColdStartConfig
+from retool.config.rollout import RolloutConfig, seed_turn
+from retool.config.sandbox import SandboxConfig
+from retool.config.trainer import TrainerConfig
+from retool.data.conversations import read_conversations
+from retool.data.examples import DataError
+from retool.rollout.datums import trajectory_sequence
+from retool.rollout.state import rollout_in_memory
+from retool.sampling.scripted import ScriptedSampler
+from retool.sandbox.call import Sandbox
+from retool.training.cold_start import (
     assistant_text,
     batch_indices,
-    read_conversations,
     replay_conversation,
     sft_datums,
     sft_examples_table,
     train_cold_start,
 )
-from jobs.data import DataError
-from jobs.datums import trajectory_sequence
-from jobs.rollout import rollout_in_memory
-from jobs.rollout_config import RolloutConfig, seed_turn
-from jobs.sampling import ScriptedSampler
-from jobs.sandbox import Sandbox, SandboxConfig
-from jobs.trainer import TrainerConfig
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "data/synthetic_sft.jsonl"
@@ -174,7 +175,7 @@ def test_batches_are_a_pure_function_of_the_step():
 
 @pytest.fixture(scope="module")
 def tiny_datums(tiny_model_dir, tokenizer):
-    from jobs.protocol import BUNDLED_TEMPLATE, ChatProtocol
+    from retool.protocol.chat import BUNDLED_TEMPLATE, ChatProtocol
 
     protocol = ChatProtocol(tokenizer, tool_format="hermes", chat_template=BUNDLED_TEMPLATE)
     table, _ = sft_examples_table(read_conversations(SHIPPED)[:6], protocol, CONFIG)

@@ -4,8 +4,16 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.data import DataError, MathExample, read_examples, shuffled, strip_dapo_wrapper, take_batch, write_examples
-from jobs.synthetic import generate
+from retool.data.examples import (
+    DataError,
+    MathExample,
+    read_examples,
+    shuffled,
+    strip_dapo_wrapper,
+    take_batch,
+    write_examples,
+)
+from retool.data.synthetic import generate
 
 DAPO_CONTENT = (
     "Solve the following math problem step by step. The last line of your response should be of the form "

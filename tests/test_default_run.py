@@ -11,7 +11,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from jobs.analysis import metrics_by_step
+from retool.evaluation.analysis import metrics_by_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 REPO = Path(__file__).resolve().parent.parent

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pyarrow.parquet as pq
 
-from jobs.data import MathExample
-from jobs.rollout import Trajectory, keep_groups
-from jobs.tables import TRAJECTORIES, read_table
+from retool.data.examples import MathExample
+from retool.files.tables import TRAJECTORIES, read_table
+from retool.rollout.state import Trajectory, keep_groups
 from tests.pipeline_helpers import TRAIN, build_train, step_dir
 from tests.policies import some_groups_agree
 

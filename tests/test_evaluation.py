@@ -6,12 +6,12 @@ import luigi
 import pyarrow as pa
 import pytest
 
-import jobs.context
 import pipeline.tasks
-from jobs.context import protocol_for
-from jobs.evaluation import mean_ci, pass_at_k, summarize_eval
-from jobs.sampling import ScriptedSampler
-from jobs.tables import TRAJECTORIES, table_from_rows
+import retool.sampling.engines
+from retool.evaluation.scores import mean_ci, pass_at_k, summarize_eval
+from retool.files.tables import TRAJECTORIES, table_from_rows
+from retool.run.context import protocol_for
+from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import scripted, tool_call_text
 
 
@@ -78,7 +78,7 @@ def test_summary_counts_by_hand():
 
 @pytest.mark.parametrize("mode", ["retool", "text-only"])
 def test_evaluate_on_the_tiny_model(configure, monkeypatch, tmp_path, mode):
-    from jobs.data import MathExample, write_examples
+    from retool.data.examples import MathExample, write_examples
 
     dataset = tmp_path / "aime_like.jsonl"
     write_examples([MathExample(str(i), f"What is {i} + {i}?", str(2 * i), "aime") for i in range(3)], dataset)
@@ -91,7 +91,7 @@ def test_evaluate_on_the_tiny_model(configure, monkeypatch, tmp_path, mode):
         return f"\\boxed{{{2 * question if group < 2 else -1}}}"
 
     monkeypatch.setattr(
-        jobs.context,
+        retool.sampling.engines,
         "sampler_for",
         lambda s, policy=None, shard=0: ScriptedSampler(scripted(protocol_for(s.model), choose)),
     )

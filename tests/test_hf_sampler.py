@@ -1,9 +1,9 @@
 import pytest
 import torch
 
-import jobs.progress
-from jobs.hf_sampler import HFSampler
-from jobs.sampling import SampleRequest, SamplingSettings
+import retool.sampling.progress
+from retool.sampling.contract import SampleRequest, SamplingSettings
+from retool.sampling.hf import HFSampler
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +68,9 @@ def test_stop_tokens_and_strings_end_a_row(sampler):
 
 
 def test_sampling_from_a_lora_checkpoint_matches_the_trained_model(tiny_model_dir, tmp_path):
-    from jobs.checkpoints import save_checkpoint
-    from jobs.trainer import TrainerConfig, load_policy, train_step
+    from retool.config.trainer import TrainerConfig
+    from retool.training.checkpoints import save_checkpoint
+    from retool.training.step import load_policy, train_step
     from tests.test_trainer import on_policy_datums
 
     config = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2)
@@ -94,7 +95,7 @@ def test_sampling_from_a_lora_checkpoint_matches_the_trained_model(tiny_model_di
 
 
 def test_progress_is_written_as_lines_when_stderr_is_not_a_terminal(sampler, capsys, monkeypatch):
-    monkeypatch.setattr(jobs.progress, "LOG_EVERY_SECONDS", 0.0)
+    monkeypatch.setattr(retool.sampling.progress, "LOG_EVERY_SECONDS", 0.0)
     replies = sampler.sample(requests_for(sampler), SamplingSettings())
     tokens = sum(len(sequence.tokens) for sequences in replies for sequence in sequences)
     lines = capsys.readouterr().err.splitlines()

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs.protocol import neutralise
-from jobs.sandbox import ExecutionResult, Sandbox
-from jobs.sandbox_isolation import probe_containment
+from retool.protocol.chat import neutralise
+from retool.sandbox.call import ExecutionResult, Sandbox
+from retool.sandbox.isolation import probe_containment
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +43,8 @@ def guard():
 
 def run_guarded(guard, code: str, **config) -> ExecutionResult:
     helper = (
-        "import json, sys\nfrom dataclasses import asdict\nfrom jobs.sandbox import Sandbox, SandboxConfig\n"
+        "import json, sys\nfrom dataclasses import asdict\nfrom retool.sandbox.call import Sandbox\n"
+        "from retool.config.sandbox import SandboxConfig\n"
         f"sandbox = Sandbox(SandboxConfig(**{config!r}))\nresult = "
         "sandbox.run_code(sys.stdin.read())\nsandbox.close()\n"
         "print(json.dumps(asdict(result)))"
@@ -62,8 +63,8 @@ def run_guarded(guard, code: str, **config) -> ExecutionResult:
 
 
 def observed(result: ExecutionResult, tokenizer) -> str:
-    """The observation exactly as the rollout appends it (see jobs.rollout.apply_results)."""
-    from jobs.protocol import special_token_strings
+    """The observation exactly as the rollout appends it (see retool.rollout.state.apply_results)."""
+    from retool.protocol.chat import special_token_strings
 
     forbidden = tuple(special_token_strings(tokenizer)) + (
         "<tool_call>",
@@ -178,7 +179,7 @@ def test_a_killed_pipeline_leaves_no_call_running(guard, prewarmed):
     if guard is None:
         pytest.skip("no writable pids cgroup")
     helper = (
-        "from jobs.sandbox import Sandbox, SandboxConfig\n"
+        "from retool.sandbox.call import Sandbox\nfrom retool.config.sandbox import SandboxConfig\n"
         f"Sandbox(SandboxConfig(prewarmed={prewarmed})).run_code('import time\\ntime.sleep(60)')"
     )
     command = ["sh", "-c", f'echo $$ > {guard}/cgroup.procs && exec "$@"', "guard", sys.executable, "-c", helper]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.memory_plan import (
+from retool.config.trainer import TrainerConfig
+from retool.training.memory_plan import (
     ALLOCATOR_MARGIN,
     MemoryPlan,
     MemoryPlanError,
@@ -13,7 +14,6 @@ from jobs.memory_plan import (
     model_shape,
     plan_step,
 )
-from jobs.trainer_config import TrainerConfig
 
 
 def test_the_shape_of_the_tiny_model_is_counted_without_loading_it(tiny_model_dir):

@@ -13,9 +13,9 @@ from pathlib import Path
 import luigi
 import pytest
 
-from jobs.data import read_examples
-from jobs.run_setup import freeze, workers_warning
-from jobs.settings import RunSettings, SettingsError
+from retool.config.settings import RunSettings, SettingsError
+from retool.data.examples import read_examples
+from retool.run.setup import freeze, workers_warning
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -80,14 +80,14 @@ def test_a_run_whose_first_command_failed_can_be_pointed_elsewhere(tmp_path):
 
 def test_the_report_of_a_missing_run_is_one_line():
     result = subprocess.run(
-        [sys.executable, "-m", "jobs.report", "runs/nope"], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "retool", "report", "runs/nope"], cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 2 and "runs/nope: no such run folder" in result.stderr
     assert "Traceback" not in result.stderr
 
 
 def test_counts_in_the_report_agree_with_their_nouns():
-    from jobs.report import counted
+    from retool.evaluation.report import counted
 
     assert counted(1, "training step") == "1 training step"
     assert counted(2, "evaluation") == "2 evaluations"
@@ -95,7 +95,7 @@ def test_counts_in_the_report_agree_with_their_nouns():
 
 
 def test_evaluations_are_told_apart_by_content_and_by_how_they_sample(tmp_path):
-    from jobs.runs import EvalSpec, rollout_settings
+    from retool.evaluation.spec import EvalSpec, rollout_settings
 
     rows = [{"id": str(i), "question": f"{i} + 1?", "answer": str(i + 1)} for i in range(3)]
     for folder, content in (("A", rows), ("B", rows[::-1]), ("C", rows)):
@@ -131,12 +131,14 @@ def test_workers_that_would_each_load_an_engine_on_one_cpu_are_warned_of(tmp_pat
     assert workers_warning(server, 2) is None and workers_warning(RunSettings(), 1) is None
 
 
-COMMANDS = ("jobs.serve", "jobs.sandbox_cli", "jobs.report", "jobs.synthetic", "bench", "bench.gpu")
+COMMANDS = ("retool serve", "retool sandbox", "retool report", "retool synthetic", "retool model", "bench", "bench.gpu")
 
 
 @pytest.mark.parametrize("module", COMMANDS)
 def test_every_command_line_option_is_described(module):
-    shown = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True)
+    shown = subprocess.run(
+        [sys.executable, "-m", *module.split(), "--help"], capture_output=True, text=True, check=True
+    )
     lines = shown.stdout.splitlines()
     assert lines[0].startswith(f"usage: python -m {module} ")
     for line, after in zip(lines, lines[1:] + [""]):

@@ -12,14 +12,14 @@ import luigi
 import pyarrow as pa
 import pytest
 
-import jobs.context
 import pipeline.tasks
-from jobs.context import protocol_for, sandbox_for
-from jobs.metrics import stage_timings
-from jobs.rollout import rollout_in_memory
-from jobs.sampling import ScriptedSampler
-from jobs.stages.rollout import observation_row, trajectories_table
-from jobs.tables import OBSERVATIONS, SAMPLES, SFT_LOSSES, TRAJECTORIES, read_table, table_from_rows
+import retool.sampling.engines
+from retool.evaluation.metrics import stage_timings
+from retool.files.tables import OBSERVATIONS, SAMPLES, SFT_LOSSES, TRAJECTORIES, read_table, table_from_rows
+from retool.rollout.state import rollout_in_memory
+from retool.run.context import protocol_for, sandbox_for
+from retool.sampling.scripted import ScriptedSampler
+from retool.stages.rollout import observation_row, trajectories_table
 from tests.helpers import scripted
 from tests.pipeline_helpers import TRAIN, batch, build, build_train, step_dir, tool_policy
 
@@ -125,7 +125,7 @@ def test_deleting_one_output_reruns_only_it_and_downstream(configure, monkeypatc
 def test_a_run_refuses_different_settings(configure, monkeypatch):
     settings = configure("frozen")
     assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
-    from jobs.settings import SettingsError
+    from retool.config.settings import SettingsError
 
     changed = configure("frozen", rollout={"group_size": 2}, sandbox={"max_workers": 1})  # workers may differ
     with pytest.raises(SettingsError, match=r"differing: \[rollout\] group_size = 2 \(frozen: 3\)\. Use"):
@@ -309,8 +309,8 @@ def test_train_step_writes_the_step_metrics(configure, monkeypatch):
 
 
 def test_step_zero_samples_from_and_trains_on_top_of_the_cold_start(configure, monkeypatch):
-    from jobs.runs import rl_base_model, sft_checkpoint
     from pipeline import ColdStart, TrainStep
+    from retool.files.layout import rl_base_model, sft_checkpoint
 
     settings = configure(
         "cold",
@@ -324,7 +324,7 @@ def test_step_zero_samples_from_and_trains_on_top_of_the_cold_start(configure, m
         policies.append(policy)
         return tool_policy(settings)
 
-    monkeypatch.setattr(jobs.context, "sampler_for", recording_sampler)
+    monkeypatch.setattr(retool.sampling.engines, "sampler_for", recording_sampler)
     assert luigi.build([TrainStep(step=1)], local_scheduler=True, workers=1, log_level="WARNING")
     assert ColdStart().complete() and read_table(settings.run_dir / "sft/losses.parquet", SFT_LOSSES).num_rows == 2
     step_zero, step_one = step_dir(settings, 0) / "checkpoint", step_dir(settings, 1) / "checkpoint"
@@ -342,7 +342,7 @@ def test_a_bad_cold_start_file_fails_once_with_its_line_and_writes_nothing(confi
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "1"}]}\n')
-    from jobs.data import DataError
+    from retool.data.examples import DataError
 
     settings = configure("bad-cold", cold_start={"data": str(bad)})
     with pytest.raises(DataError, match=f"{bad} line 1 message 2: a tool message without"):  # when the task is made
@@ -362,7 +362,7 @@ def test_task_help_does_not_import_torch():
 
 
 def test_a_sampler_that_does_not_serve_the_policy_fails_the_step_before_saving(configure, monkeypatch):
-    from jobs.trainer import PolicySyncError
+    from retool.training.step import PolicySyncError
 
     settings = configure("out-of-sync", trainer={**TRAIN, "max_sampler_gap": 1e-3})  # scripted logprobs are made up
     assert not build_train(settings, 0, tool_policy(settings), monkeypatch)
@@ -386,8 +386,8 @@ def test_one_worker_runs_a_shard_s_rounds_before_the_next_shard_s(configure, mon
 
 
 def test_an_evaluation_is_split_into_shards_its_sampler_can_cache():
-    from jobs.rollout_config import RolloutConfig
-    from jobs.runs import evaluation_shards
+    from retool.config.rollout import RolloutConfig
+    from retool.evaluation.spec import evaluation_shards
 
     assert evaluation_shards(RolloutConfig(), questions=258, n=2) == 1
     assert evaluation_shards(RolloutConfig(eval_shard_sequences=64), questions=258, n=2) == 9

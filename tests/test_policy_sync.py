@@ -9,12 +9,13 @@ import os
 import pytest
 import torch
 
-from jobs.adapter_names import adapter_for_engine, keeps_language_model_apart, served_name
-from jobs.checkpoints import save_checkpoint
-from jobs.datums import Datum
-from jobs.models import build_tiny_model
-from jobs.sampling import SampleRequest, SamplingSettings
-from jobs.trainer import PolicySyncError, TrainerConfig, check_policy_sync, load_policy, train_step
+from retool.config.trainer import TrainerConfig
+from retool.rollout.datums import Datum
+from retool.sampling.adapters import adapter_for_engine, keeps_language_model_apart, served_name
+from retool.sampling.contract import SampleRequest, SamplingSettings
+from retool.training.checkpoints import save_checkpoint
+from retool.training.step import PolicySyncError, check_policy_sync, load_policy, train_step
+from retool.weights.models import build_tiny_model
 from tests.test_trainer import on_policy_datums
 
 LORA = TrainerConfig(lora_rank=8, lora_alpha=16, learning_rate=1e-2, gradient_checkpointing=False)
@@ -70,7 +71,7 @@ def vllm_required():
 @vllm_only
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
 def test_a_lora_step_of_each_architecture_is_served_exactly(architecture, vllm_required, default_model_dir, tmp_path):
-    from jobs.vllm_sampler import VLLMSampler
+    from retool.sampling.vllm_engine import VLLMSampler
 
     base = build_tiny_model(tmp_path / architecture, default_model_dir, architecture=architecture)
     model = trained_checkpoint(base, tmp_path / "step0")

@@ -1,6 +1,6 @@
 import pytest
 
-from jobs.protocol import BUNDLED_TEMPLATE, CODE_INTERPRETER_TOOL, ChatProtocol, TemplateError, parse_assistant
+from retool.protocol.chat import BUNDLED_TEMPLATE, CODE_INTERPRETER_TOOL, ChatProtocol, TemplateError, parse_assistant
 from tests.helpers import completion, tool_call_text
 
 

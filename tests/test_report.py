@@ -10,9 +10,9 @@ import polars as pl
 import pytest
 from PIL import Image
 
-import jobs.context
 import pipeline.tasks
-from jobs.analysis import (
+import retool.sampling.engines
+from retool.evaluation.analysis import (
     eval_by_checkpoint,
     length_distributions,
     metrics_by_step,
@@ -21,8 +21,7 @@ from jobs.analysis import (
     tool_success_by_round,
     worst_trajectories,
 )
-from jobs.context import protocol_for
-from jobs.report import (
+from retool.evaluation.report import (
     PLOTS,
     make_report,
     plot_diagnostics,
@@ -32,7 +31,8 @@ from jobs.report import (
     plot_sandbox,
     plot_tool_use,
 )
-from jobs.sampling import ScriptedSampler
+from retool.run.context import protocol_for
+from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import scripted, tool_call_text
 from tests.pipeline_helpers import TRAIN, batch
 
@@ -52,7 +52,7 @@ def two_step_run(configure, monkeypatch):
         return f"\\boxed{{{answer if group % 2 == 0 else -1}}}"
 
     monkeypatch.setattr(
-        jobs.context,
+        retool.sampling.engines,
         "sampler_for",
         lambda s, policy=None, shard=0: ScriptedSampler(scripted(protocol_for(s.model), choose)),
     )

@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from jobs.reward import last_boxed, score_answer
+from retool.data.reward import last_boxed, score_answer
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,10 @@ from dataclasses import replace
 
 import pytest
 
-from jobs.data import MathExample
-from jobs.datums import PrefixError, build_datum, trajectory_sequence
-from jobs.rollout import (
+from retool.config.rollout import RolloutConfig, sample_seed, seed_turn
+from retool.data.examples import MathExample
+from retool.rollout.datums import PrefixError, build_datum, trajectory_sequence
+from retool.rollout.state import (
     PendingExecution,
     Trajectory,
     apply_samples,
@@ -17,8 +18,8 @@ from jobs.rollout import (
     start_trajectories,
     turn_budget,
 )
-from jobs.rollout_config import RolloutConfig, sample_seed, seed_turn
-from jobs.sampling import SampledSequence, SamplerContractError, ScriptedSampler, sample_checked
+from retool.sampling.contract import SampledSequence, SamplerContractError, sample_checked
+from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import InstantSandbox, completion, scripted, tool_call_text
 
 EXAMPLES = [MathExample("q0", "What is 2+2?", "4", "t"), MathExample("q1", "What is 3*3?", "9", "t")]
@@ -235,7 +236,7 @@ def test_edge_6_text_is_decoded_from_the_tokens(hermes):
 
 def test_edge_7_transient_sampler_failures_are_retried(hermes, monkeypatch):
     delays = []
-    monkeypatch.setattr("jobs.sampling.time.sleep", delays.append)
+    monkeypatch.setattr("retool.sampling.contract.time.sleep", delays.append)
     inner = tool_then_answer(hermes)
     failures = []
 
@@ -259,7 +260,7 @@ def test_edge_7_transient_sampler_failures_are_retried(hermes, monkeypatch):
 
 
 def _request():
-    from jobs.sampling import SampleRequest
+    from retool.sampling.contract import SampleRequest
 
     return SampleRequest(0, (0,), (1, 2, 3), 8, 1)
 
@@ -318,7 +319,7 @@ def test_stop_reasons_and_code_calls(hermes):
 
 
 def test_real_sandbox_observation_reaches_the_next_prompt(hermes):
-    from jobs.sandbox import Sandbox
+    from retool.sandbox.call import Sandbox
 
     sampler = ScriptedSampler(
         scripted(hermes, lambda q, g, t: tool_call_text("x = 6 * 7\nx", "hermes") if t == 0 else "\\boxed{42}")
@@ -347,7 +348,7 @@ def test_requests_map_back_to_their_branches(hermes):
 
 
 def test_zero_variance_groups_are_counted():
-    from jobs.rollout import zero_variance_groups
+    from retool.rollout.state import zero_variance_groups
 
     assert zero_variance_groups([(0, 1.0), (0, -1.0), (1, -1.0), (1, -1.0), (2, 1.0)]) == 2
 

@@ -3,11 +3,11 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobs.data import MathExample
-from jobs.datums import trajectory_sequence
-from jobs.rollout import STOP_REASONS, rollout_in_memory
-from jobs.rollout_config import RolloutConfig, seed_turn
-from jobs.sampling import ScriptedSampler
+from retool.config.rollout import RolloutConfig, seed_turn
+from retool.data.examples import MathExample
+from retool.rollout.datums import trajectory_sequence
+from retool.rollout.state import STOP_REASONS, rollout_in_memory
+from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import InstantSandbox, completion, tool_call_text
 
 BEHAVIOURS = ("answer", "tool", "big_tool", "malformed", "max_length", "budget_fill", "open_tool")

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs.protocol import load_tokenizer, neutralise
-from jobs.rollout import TRUNCATION_MARKER
-from jobs.sandbox import Sandbox, SandboxConfig
+from retool.config.sandbox import SandboxConfig
+from retool.protocol.chat import load_tokenizer, neutralise
+from retool.rollout.state import TRUNCATION_MARKER
+from retool.sandbox.call import Sandbox
 
 
 def running(marker: str) -> bool:
@@ -141,7 +142,7 @@ def test_math_libraries_are_available(sandbox):
 
 
 def test_special_tokens_are_neutralised(sandbox, tokenizer):
-    from jobs.protocol import special_token_strings
+    from retool.protocol.chat import special_token_strings
 
     forbidden = special_token_strings(tokenizer) + ("</tool_response>",)
     text = neutralise(sandbox.observation(sandbox.run_code("print('<|im_end|> and </tool_response>')")), forbidden)
@@ -177,11 +178,11 @@ def test_command_line_prints_the_observation(tmp_path):
     script = tmp_path / "cell.py"
     script.write_text("x = 2 ** 10\nx")
     shown = subprocess.run(
-        [sys.executable, "-m", "jobs.sandbox_cli", str(script)], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "retool", "sandbox", str(script)], capture_output=True, text=True, check=True
     )
     assert shown.stdout == "1024\n"
     as_json = subprocess.run(
-        [sys.executable, "-m", "jobs.sandbox_cli", str(script), "--json"], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "retool", "sandbox", str(script), "--json"], capture_output=True, text=True, check=True
     )
     assert json.loads(as_json.stdout)["status"] == "ok"
 
@@ -189,12 +190,12 @@ def test_command_line_prints_the_observation(tmp_path):
 def test_command_line_cuts_the_message_to_the_tokens_the_model_would_see(tmp_path, tiny_model_dir):
     script = tmp_path / "loud.py"
     script.write_text("for i in range(2000):\n    print(i)")
-    command = [sys.executable, "-m", "jobs.sandbox_cli", str(script), "--tokenizer", str(tiny_model_dir)]
+    command = [sys.executable, "-m", "retool", "sandbox", str(script), "--tokenizer", str(tiny_model_dir)]
     shown = subprocess.run([*command, "--max-tokens", "40"], capture_output=True, text=True, check=True).stdout
     tokenizer = load_tokenizer(tiny_model_dir)
     assert shown.startswith(TRUNCATION_MARKER) and shown.endswith("1998\n1999\n")
     assert len(tokenizer(shown.removesuffix("\n"), add_special_tokens=False)["input_ids"]) <= 40
-    whole = subprocess.run(command[:4], capture_output=True, text=True, check=True).stdout
+    whole = subprocess.run(command[:5], capture_output=True, text=True, check=True).stdout
     assert "\n1000\n" in whole and whole.endswith("1999\n")  # no tokenizer: the sandbox's whole message
 
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from jobs.run_setup import FLAT_NAMES, freeze
-from jobs.settings import RunConfig, RunSettings, SettingsError, frozen, setting_fields
 from pipeline.config import SECTIONS
+from retool.config.settings import RunConfig, RunSettings, SettingsError, frozen, setting_fields
+from retool.run.setup import FLAT_NAMES, freeze
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -90,7 +90,7 @@ def test_a_new_run_freezes_nested_settings(tmp_path):
 
 
 def code_files():
-    return sorted(path for folder in ("jobs", "pipeline", "bench") for path in (REPO / folder).rglob("*.py"))
+    return sorted(path for folder in ("retool", "pipeline", "bench") for path in (REPO / folder).rglob("*.py"))
 
 
 def test_modules_and_functions_stay_small():

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from jobs.cold_start import read_conversations
-from jobs.data import read_examples
-from jobs.families import FAMILIES, ROLES, families_of
-from jobs.sandbox import Sandbox, SandboxConfig
-from jobs.synthetic import evaluation_questions, family_of, generate, generate_problems, training_questions
+from retool.config.sandbox import SandboxConfig
+from retool.data.conversations import read_conversations
+from retool.data.examples import read_examples
+from retool.data.families import FAMILIES, ROLES, families_of
+from retool.data.synthetic import evaluation_questions, family_of, generate, generate_problems, training_questions
+from retool.sandbox.call import Sandbox
 
 REPO = Path(__file__).resolve().parent.parent
 SFT, TRAIN, EVAL = (

@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jobs.checkpoints import prune_checkpoints, save_checkpoint
-from jobs.datums import Datum
-from jobs.losses import token_logprobs
-from jobs.packing import loss_token_weights, pack_micro_batches
-from jobs.stages.rollout import datums_from_table
-from jobs.tables import DATUMS, table_from_rows, write_table_atomically
-from jobs.trainer import TrainerConfig, accumulate_gradients, load_policy, train_step
+from retool.config.trainer import TrainerConfig
+from retool.files.tables import DATUMS, table_from_rows, write_table_atomically
+from retool.rollout.datums import Datum, datums_from_table
+from retool.training.checkpoints import prune_checkpoints, save_checkpoint
+from retool.training.losses import token_logprobs
+from retool.training.packing import loss_token_weights, pack_micro_batches
+from retool.training.step import accumulate_gradients, load_policy, train_step
 
 CONFIG = TrainerConfig(lora_rank=8, lora_alpha=16, learning_rate=5e-3, gradient_checkpointing=False)
 
@@ -229,7 +229,7 @@ def test_two_processes_give_the_same_parameters_as_one(tiny_model_dir, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(asdict(replace(CONFIG, micro_batch_items=1))))
     common = [
         "-m",
-        "jobs.trainer",
+        "retool.cli.train",
         "--base-model",
         str(tiny_model_dir),
         "--datums",
@@ -274,7 +274,7 @@ def pq_read(path):
 
 
 def test_the_shipped_ppo_settings_are_the_seeds_recipe():
-    from jobs.settings import RunSettings
+    from retool.config.settings import RunSettings
 
     config = RunSettings().trainer_on_device()
     assert (1 - config.clip_low, 1 + config.clip_high) == (0.8, 1.28)
@@ -282,7 +282,7 @@ def test_the_shipped_ppo_settings_are_the_seeds_recipe():
 
 
 def test_the_ratio_is_clipped_to_the_shipped_range():
-    from jobs.losses import ppo_token_loss
+    from retool.training.losses import ppo_token_loss
 
     config = TrainerConfig()
     ratios = torch.tensor([0.5, 0.9, 1.1, 1.5])
@@ -343,7 +343,7 @@ def test_bfloat16_gives_close_losses_and_gradients(tiny_model_dir):
 
 
 def test_the_trainer_dtype_follows_the_device():
-    from jobs.settings import RunConfig, RunSettings, frozen
+    from retool.config.settings import RunConfig, RunSettings, frozen
 
     on_gpu, on_cpu = RunSettings(run=RunConfig(device="cuda")), RunSettings(run=RunConfig(device="cpu"))
     assert on_gpu.trainer_on_device().dtype == "bfloat16" and on_gpu.trainer_on_device().gradient_checkpointing
@@ -352,12 +352,12 @@ def test_the_trainer_dtype_follows_the_device():
 
 
 def test_auto_sampler_on_a_gpu_without_vllm_fails_loudly(monkeypatch):
-    import jobs.context
-    from jobs.sampling import SamplerConfig
-    from jobs.settings import RunConfig, RunSettings, SettingsError
+    import retool.sampling.engines
+    from retool.config.sampler import SamplerConfig
+    from retool.config.settings import RunConfig, RunSettings, SettingsError
 
-    monkeypatch.setattr(jobs.context, "vllm_available", lambda: False)
+    monkeypatch.setattr(retool.sampling.engines, "vllm_available", lambda: False)
     on_gpu = RunSettings(run=RunConfig(device="cuda"))
     with pytest.raises(SettingsError, match="engine = auto on device = cuda needs vLLM"):
-        jobs.context.sampler_kind(on_gpu)
-    assert jobs.context.sampler_kind(replace(on_gpu, sampler=SamplerConfig("hf"))) == "hf"
+        retool.sampling.engines.sampler_kind(on_gpu)
+    assert retool.sampling.engines.sampler_kind(replace(on_gpu, sampler=SamplerConfig("hf"))) == "hf"

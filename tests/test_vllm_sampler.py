@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from jobs.sampling import SampleRequest, SamplingSettings
+from retool.sampling.contract import SampleRequest, SamplingSettings
 
 pytestmark = pytest.mark.vllm
 
@@ -17,7 +17,7 @@ if not os.environ.get("RETOOL_REQUIRE_VLLM"):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    from jobs.vllm_sampler import VLLMSampler
+    from retool.sampling.vllm_engine import VLLMSampler
 
     return VLLMSampler(tiny_model_dir, device="cpu", max_model_len=512, lora_rank=8)
 
@@ -64,7 +64,7 @@ def test_a_cpu_engine_asleep_frees_its_memory_and_samples_the_same_after(engine)
 
 
 def test_a_bfloat16_engine_serves_close_logprobs(engine, tiny_model_dir, reference):
-    from jobs.vllm_sampler import VLLMSampler
+    from retool.sampling.vllm_engine import VLLMSampler
 
     engine.sleep()  # one in-process engine at a time: stopping one tears down the process's parallel groups
     engine = VLLMSampler(tiny_model_dir, device="cpu", max_model_len=512, dtype="bfloat16")
@@ -90,8 +90,9 @@ def test_stop_token_is_kept_in_the_tokens(engine):
 
 
 def test_a_lora_checkpoint_is_served_as_a_fresh_adapter(engine, tiny_model_dir, tmp_path):
-    from jobs.checkpoints import save_checkpoint
-    from jobs.trainer import TrainerConfig, load_policy, train_step
+    from retool.config.trainer import TrainerConfig
+    from retool.training.checkpoints import save_checkpoint
+    from retool.training.step import load_policy, train_step
     from tests.test_trainer import on_policy_datums
 
     config = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2)
@@ -137,8 +138,9 @@ def max_gap(engine, model, request) -> float:
 def test_full_weights_and_an_adapter_over_them_are_served_exactly(engine, tiny_model_dir, tmp_path):
     """A full fine-tune (the cold start), then a LoRA trained on top of it (RL): the engine serves each
     exactly, the adapter over the weights it was trained on, not over the engine's own model."""
-    from jobs.checkpoints import save_checkpoint
-    from jobs.trainer import TrainerConfig, load_policy, train_step
+    from retool.config.trainer import TrainerConfig
+    from retool.training.checkpoints import save_checkpoint
+    from retool.training.step import load_policy, train_step
     from tests.test_trainer import on_policy_datums
 
     full = TrainerConfig(lora_rank=0, learning_rate=1e-2)
@@ -158,11 +160,11 @@ def test_full_weights_and_an_adapter_over_them_are_served_exactly(engine, tiny_m
 
 
 def test_progress_counts_sequences_in_lines_when_stderr_is_not_a_terminal(engine, capsys, monkeypatch):
-    import jobs.progress
+    import retool.sampling.progress
 
     engine.sample(requests(), SamplingSettings())
     assert "sampling: " not in capsys.readouterr().err  # a call shorter than LOG_EVERY_SECONDS leaves no line
-    monkeypatch.setattr(jobs.progress, "LOG_EVERY_SECONDS", 0.0)
+    monkeypatch.setattr(retool.sampling.progress, "LOG_EVERY_SECONDS", 0.0)
     engine.sample(requests(), SamplingSettings())
     lines = capsys.readouterr().err.splitlines()
     progress = [line for line in lines if line.startswith("sampling: ")]

@@ -13,11 +13,11 @@ import threading
 import luigi
 import pytest
 
-import jobs.progress
-from jobs.sampling import SampleRequest, SamplingSettings, sample_checked
-from jobs.serve import start_server, stop_server
-from jobs.settings import RunSettings
-from jobs.vllm_server import ServerSampler
+import retool.sampling.progress
+from retool.config.settings import RunSettings
+from retool.sampling.contract import SampleRequest, SamplingSettings, sample_checked
+from retool.sampling.server import start_server, stop_server
+from retool.sampling.server_client import ServerSampler
 from tests.pipeline_helpers import TRAIN, step_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -34,7 +34,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir, tmp_path_factory):
-    """One server on the tiny model for the whole module, as `python -m jobs.serve` starts it."""
+    """One server on the tiny model for the whole module, as `python -m retool serve` starts it."""
     settings = RunSettings().changed(
         run={"device": "cpu", "runs_dir": str(tmp_path_factory.mktemp("serve"))},
         model={"name": str(tiny_model_dir)},
@@ -51,9 +51,9 @@ def requests():
 
 
 def test_the_server_gives_the_in_process_engines_replies(server, tiny_model_dir, capsys, monkeypatch):
-    from jobs.vllm_sampler import VLLMSampler
+    from retool.sampling.vllm_engine import VLLMSampler
 
-    monkeypatch.setattr(jobs.progress, "LOG_EVERY_SECONDS", 0.0)
+    monkeypatch.setattr(retool.sampling.progress, "LOG_EVERY_SECONDS", 0.0)
 
     engine = VLLMSampler(tiny_model_dir, device="cpu", max_model_len=900)
     try:
@@ -133,7 +133,8 @@ def test_shards_run_by_two_workers_sample_from_one_server(configure, server):
 
 
 def test_a_lora_policy_switched_through_the_server_passes_the_sync_check(server, tiny_model_dir, tmp_path):
-    from jobs.trainer import TrainerConfig, check_policy_sync
+    from retool.config.trainer import TrainerConfig
+    from retool.training.step import check_policy_sync
     from tests.test_policy_sync import sync_metrics, trained_checkpoint
 
     model = trained_checkpoint(tiny_model_dir, tmp_path / "step0")
@@ -147,14 +148,16 @@ def test_a_lora_policy_switched_through_the_server_passes_the_sync_check(server,
 
 
 def test_the_server_sleeps_while_a_step_trains_and_wakes_after(configure, server, monkeypatch):
-    import jobs.trainer
+    import retool.training.step
     from pipeline import TrainStep
 
     calls = []
     monkeypatch.setattr(ServerSampler, "sleep", lambda self: calls.append("sleep"))
     monkeypatch.setattr(ServerSampler, "wake", lambda self: calls.append("wake"))
-    real_train = jobs.trainer.train_from_files
-    monkeypatch.setattr(jobs.trainer, "train_from_files", lambda *a, **k: calls.append("train") or real_train(*a, **k))
+    real_train = retool.training.step.train_from_files
+    monkeypatch.setattr(
+        retool.training.step, "train_from_files", lambda *a, **k: calls.append("train") or real_train(*a, **k)
+    )
     settings = configure(
         "sleep",
         sampler={"engine": "vllm-server", "servers": server},

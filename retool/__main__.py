@@ -1,0 +1,26 @@
+"""`python -m retool COMMAND [options]`: the command-line tools beside the pipeline (whose tasks run with
+`luigi --module pipeline TASK`). `python -m retool COMMAND --help` describes each."""
+
+import importlib
+import sys
+
+COMMANDS = {  # command -> (module of retool.cli, what it does)
+    "model": ("model", "build the embedded default model, or a tiny random one, into a folder"),
+    "synthetic": ("synthetic", "write the shipped synthetic data sets"),
+    "sandbox": ("sandbox", "run a Python file in the sandbox and print what the model would see"),
+    "serve": ("serve", "start vLLM's OpenAI-compatible server for a run's model"),
+    "report": ("report", "plots and a Markdown summary of a run folder"),
+}
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+        listing = "\n".join(f"  {name:<10} {what}" for name, (_, what) in COMMANDS.items())
+        print(f"usage: python -m retool COMMAND [options]\n\ncommands:\n{listing}", file=sys.stderr)
+        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
+    command = sys.argv.pop(1)
+    importlib.import_module(f"retool.cli.{COMMANDS[command][0]}").main()
+
+
+if __name__ == "__main__":
+    main()

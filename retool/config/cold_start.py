@@ -1,0 +1,24 @@
+"""The [cold_start] section: supervised fine-tuning on worked solutions before RL."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ColdStartConfig:
+    data: str = ""  # JSONL of tool-integrated solutions to fine-tune on before RL; "" = RL starts from the model
+    steps: int = 8  # optimizer steps of supervised fine-tuning
+    batch_size: int = 8  # conversations per step
+    learning_rate: float = 1e-4
+    lora_rank: int = 32  # 0 = full fine-tune; LoRA weights are merged into full weights at the end
+    save_every: int = 4  # steps between resume points (sft/progress/); 0 = none
+    seed: int = 0  # order in which conversations are visited
+
+    def __post_init__(self) -> None:
+        if self.steps <= 0 or self.batch_size <= 0 or self.save_every < 0 or self.lora_rank < 0:
+            raise ValueError(
+                f"ColdStartConfig needs steps > 0, batch_size > 0, save_every >= 0 and lora_rank >= 0, got {self}"
+            )
+        if self.learning_rate <= 0:
+            raise ValueError(f"ColdStartConfig.learning_rate must be positive, got {self.learning_rate}")

@@ -1,0 +1,99 @@
+"""The rollout's settings (the [rollout] section) and the layout of its sampling seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from retool.protocol.chat import ChatProtocol
+from retool.sampling.contract import SamplingSettings
+
+# Seed layout, high bits to low: base seed | step + 1 | question | turn | branch. Every field has its
+# own bits, so two different sampling calls can never share a seed (the reference's seed + index +
+# 10000 * turn could). The branch sits lowest because vLLM seeds the n children of one request with
+# seed + i: child i of a turn's first request is then exactly branch i's seed. 16 + 20 + 12 + 6 + 9 = 63
+# bits, a valid seed for every engine. The step is stored plus one so that step -1 (an evaluation of the
+# base model) has a place too.
+SEED_FIELDS = (("seed", 16), ("step", 20), ("question_index", 12), ("turn", 6), ("group_index", 9))
+
+
+def sample_seed(seed: int, step: int, question_index: int, group_index: int, turn: int) -> int:
+    values = {
+        "seed": seed,
+        "step": step + 1,
+        "question_index": question_index,
+        "turn": turn,
+        "group_index": group_index,
+    }
+    packed = 0
+    for name, bits in SEED_FIELDS:
+        if not 0 <= values[name] < 2**bits:
+            raise ValueError(f"{name}={values[name]} does not fit the seed layout (0 <= {name} < {2**bits})")
+        packed = (packed << bits) | values[name]
+    return packed
+
+
+def seed_turn(seed: int) -> int:
+    """The turn a packed sampling seed was drawn for."""
+    names = [name for name, _ in SEED_FIELDS]
+    below = sum(bits for _, bits in SEED_FIELDS[names.index("turn") + 1 :])
+    return (seed >> below) % 2 ** dict(SEED_FIELDS)["turn"]
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    group_size: int = 8  # trajectories sampled per question (the GRPO group)
+    max_code_calls: int = 4  # tool observations a trajectory may receive
+    max_assistant_turns: int = 6  # assistant generations a trajectory may have
+    max_trajectory_tokens: int = 8192  # prompt + everything appended to it
+    max_assistant_tokens: int = 1024  # tokens one assistant turn may generate
+    max_tool_response_tokens: int = 512  # tokens one tool observation may hold
+    min_tool_response_tokens: int = 16  # room kept free for an observation when a turn may call the tool
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 42  # base of every sampling seed (see sample_seed)
+    trainer_max_tokens: int = 8192  # the trainer's context; trajectories must fit it
+    shards: int = 1  # independent chains of round files per step (the pipeline's unit of parallel work)
+    # An evaluation's trajectories per shard, at most (0: [rollout] shards). One worker runs a shard's rounds
+    # one after another, so an engine whose KV cache holds a shard reuses its prompts' cache in the next round.
+    eval_shard_sequences: int = 0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "group_size",
+            "max_code_calls",
+            "max_assistant_turns",
+            "max_trajectory_tokens",
+            "max_assistant_tokens",
+            "max_tool_response_tokens",
+            "min_tool_response_tokens",
+            "trainer_max_tokens",
+            "shards",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"RolloutConfig.{name} must be a positive integer, got {value!r}")
+        if self.eval_shard_sequences < 0:
+            raise ValueError(f"RolloutConfig.eval_shard_sequences must be >= 0, got {self.eval_shard_sequences}")
+        if self.max_trajectory_tokens > self.trainer_max_tokens:
+            raise ValueError(
+                f"RolloutConfig.max_trajectory_tokens={self.max_trajectory_tokens} exceeds the trainer's context "
+                f"trainer_max_tokens={self.trainer_max_tokens}: trajectories could not be trained on"
+            )
+        if self.min_tool_response_tokens > self.max_tool_response_tokens:
+            raise ValueError(
+                f"RolloutConfig.min_tool_response_tokens={self.min_tool_response_tokens} exceeds "
+                f"max_tool_response_tokens={self.max_tool_response_tokens}"
+            )
+        if not self.temperature > 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"RolloutConfig needs temperature > 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}"
+            )
+        limits = {"seed": self.seed, "group_index": self.group_size - 1, "turn": self.max_assistant_turns - 1}
+        for name, bits in SEED_FIELDS:
+            if name in limits and not 0 <= limits[name] < 2**bits:
+                raise ValueError(
+                    f"RolloutConfig: {name} up to {limits[name]} does not fit the seed layout ({bits} bits)"
+                )
+
+    def sampling_settings(self, protocol: ChatProtocol) -> SamplingSettings:
+        return SamplingSettings(self.temperature, self.top_p, protocol.stop_token_ids, protocol.stop_strings)

@@ -1,0 +1,33 @@
+"""The [sandbox] section: the limits and isolation of one call of the model's code."""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    timeout_seconds: float = 10.0  # wall clock for one call, children included
+    cpu_seconds: int = 0  # RLIMIT_CPU of the child; 0 = timeout_seconds, rounded up
+    memory_mb: int = 2048  # RLIMIT_AS of the child (0 = no limit)
+    file_mb: int = 64  # RLIMIT_FSIZE: caps every file the code writes, its output files included
+    output_tail_bytes: int = 8192  # how much of the end of stdout and of stderr is read back
+    max_workers: int = 4  # calls running at the same time, across threads and event loops
+    max_processes: int = 64  # processes and threads of one call, counted by a pids cgroup
+    contain: bool = True  # use the namespaces and cgroups this machine allows (see Containment)
+    prewarmed: bool = True  # fork each call from a server that imported the math libraries (needs full containment)
+    python: str = sys.executable  # interpreter for the child (needs the math libraries)
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_seconds", "file_mb", "output_tail_bytes", "max_workers", "max_processes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SandboxConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("cpu_seconds", "memory_mb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"SandboxConfig.{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def cpu_limit(self) -> int:
+        return self.cpu_seconds or math.ceil(self.timeout_seconds)

@@ -1,0 +1,193 @@
+"""One run's settings: a frozen section per concern, each field declared once (with its default and a
+one-line comment) in the dataclass of the code that uses it. Each section is a Luigi config section
+([rollout] group_size = 8, or --rollout-group-size 8), and runs/<run>/config.json nests the same way."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from retool.config.cold_start import ColdStartConfig
+from retool.config.rollout import SEED_FIELDS, RolloutConfig
+from retool.config.sampler import SamplerConfig
+from retool.config.sandbox import SandboxConfig
+from retool.config.trainer import TrainerConfig, resolved_dtype
+
+DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct, built from a PyPI wheel
+
+
+class SettingsError(ValueError):
+    """A setting is invalid or does not fit this machine; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "default"  # the run's folder under runs_dir
+    runs_dir: str = "runs"
+    device: str = "cuda"  # cuda | cpu
+    train_processes: int = 1  # > 1 trains under torchrun with that many processes (one per GPU)
+    keep_last: int = 3  # checkpoints that keep their weights and optimizer state
+    keep_every: int = 0  # also keep those of every N-th step (0 = none)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu"):
+            raise SettingsError(f"setting [run] device must be cuda or cpu, got {self.device!r}")
+        for name in ("train_processes", "keep_last"):
+            if getattr(self, name) <= 0:
+                raise SettingsError(f"setting [run] {name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "Qwen/Qwen3.5-4B"  # a local folder, a model in the local Hugging Face cache, or "default"
+    chat_template: str = ""  # path to a Jinja chat template; "" uses the model's own
+    tool_format: str = "auto"  # xml | hermes | auto (detected from the template)
+    use_tools: bool = True  # false: no tool is declared (a text-only run)
+    enable_thinking: bool = False  # passed to the template (Qwen3 family); the seed's recipe runs without thinking
+    chat_template_kwargs: str = "{}"  # JSON object of further keyword arguments for every render of the template
+    system_prompt: str = ""  # the system message of a run with the tool; "" = retool.protocol.chat.SYSTEM_PROMPT
+
+    def __post_init__(self) -> None:
+        try:
+            extra = json.loads(self.chat_template_kwargs)
+        except json.JSONDecodeError as error:
+            raise SettingsError(
+                f"setting [model] chat_template_kwargs is not valid JSON ({error.msg}): {self.chat_template_kwargs!r}"
+            ) from None
+        if not isinstance(extra, dict):
+            raise SettingsError(
+                f"setting [model] chat_template_kwargs must be a JSON object, got {self.chat_template_kwargs!r}"
+            )
+
+    def template_kwargs(self) -> dict[str, Any]:
+        return {"enable_thinking": self.enable_thinking, **json.loads(self.chat_template_kwargs)}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = "data/synthetic_train.jsonl"  # training questions (native, AIME or DAPO layout)
+    seed: int = 0  # shuffle of the training set
+    questions_per_step: int = 8  # question groups a step trains on
+    # Dynamic sampling (DAPO) when set: questions rolled out per step, of which only groups whose answers differ
+    # in correctness train, the first questions_per_step of them. 0 = off: questions_per_step are drawn, all kept.
+    questions_drawn: int = 0
+
+    def __post_init__(self) -> None:
+        if self.questions_per_step <= 0:
+            raise SettingsError(f"setting [data] questions_per_step must be positive, got {self.questions_per_step}")
+        if self.questions_drawn and self.questions_drawn < self.questions_per_step:
+            raise SettingsError(
+                f"setting [data] questions_drawn = {self.questions_drawn} is below questions_per_step = "
+                f"{self.questions_per_step}: dynamic sampling draws at least the questions a step trains on (0 = off)"
+            )
+
+    @property
+    def questions_rolled_out(self) -> int:
+        """Questions each step samples trajectories for."""
+        return self.questions_drawn or self.questions_per_step
+
+    @property
+    def keep_limit(self) -> int | None:
+        """With dynamic sampling, how many mixed-correctness groups a step keeps; None: every group."""
+        return self.questions_per_step if self.questions_drawn else None
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    cold_start: ColdStartConfig = field(default_factory=ColdStartConfig)
+
+    def __post_init__(self) -> None:
+        if self.rollout.shards > self.data.questions_rolled_out:
+            raise SettingsError(
+                f"setting [rollout] shards = {self.rollout.shards} exceeds the {self.data.questions_rolled_out} "
+                "questions a step rolls out ([data] questions_per_step, or questions_drawn): some shards would be empty"
+            )
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.runs_dir) / self.run.name
+
+    def trainer_on_device(self) -> TrainerConfig:
+        """The [trainer] section for this run's device: `auto` dtype resolved (bfloat16 on CUDA,
+        float32 on a CPU), and activations recomputed only on CUDA (a CPU run has memory to spare)."""
+        on_cuda = self.run.device == "cuda"
+        return replace(
+            self.trainer,
+            dtype=resolved_dtype(self.trainer.dtype, self.run.device),
+            gradient_checkpointing=self.trainer.gradient_checkpointing and on_cuda,
+        )
+
+    def sft_trainer(self) -> TrainerConfig:
+        """The cold start trains through the same trainer, with the supervised objective."""
+        return replace(
+            self.trainer_on_device(),
+            objective="sft",
+            lora_rank=self.cold_start.lora_rank,
+            learning_rate=self.cold_start.learning_rate,
+            loss_aggregation="token_mean",
+            tis_cap=0.0,
+        )
+
+    def changed(self, **sections: dict[str, Any]) -> RunSettings:
+        """These settings with some fields of some sections changed: changed(rollout={"group_size": 4})."""
+        return replace(self, **{name: replace(getattr(self, name), **values) for name, values in sections.items()})
+
+    def sections(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+# Settings that change how fast or where a run goes, never what it produces: free to differ between commands.
+OPERATIONAL = {
+    "run": ("name", "runs_dir", "train_processes", "keep_last", "keep_every"),
+    "sandbox": ("max_workers", "python", "contain", "prewarmed"),
+    "sampler": (
+        "gpu_memory_utilization",
+        "sleep_while_training",
+        "servers",
+        "start_server",
+        "server_port",
+        "request_timeout_seconds",
+    ),
+}
+# Fields of a section's dataclass that are not settings (the code sets them).
+INTERNAL = {"trainer": ("objective",)}
+
+
+def setting_fields(section: str, config: type) -> list:
+    return [f for f in fields(config) if f.name not in INTERNAL.get(section, ())]
+
+
+def frozen(settings: RunSettings) -> dict[str, dict[str, Any]]:
+    """What config.json records: the settings that shape results, `auto` resolved to what it chose."""
+    sections = {name: asdict(config) for name, config in settings.sections().items()}
+    sections["trainer"]["dtype"] = settings.trainer_on_device().dtype
+    for section, names in {**OPERATIONAL, **INTERNAL}.items():
+        for name in names:
+            del sections[section][name]
+    return sections
+
+
+def check_training(settings: RunSettings) -> None:
+    """Rules for a training run's own settings (an evaluation's rollout may differ: n = 1 is fine there)."""
+    if settings.rollout.group_size < 2:
+        raise SettingsError(
+            f"setting [rollout] group_size = {settings.rollout.group_size}: training needs at least 2 samples per "
+            "question, since advantages are rewards minus their group's mean and a group of one never has a "
+            "learning signal"
+        )
+    limit = 2 ** dict(SEED_FIELDS)["question_index"]
+    if settings.data.questions_rolled_out > limit:
+        name = "questions_drawn" if settings.data.questions_drawn else "questions_per_step"
+        raise SettingsError(
+            f"setting [data] {name} = {settings.data.questions_rolled_out} exceeds {limit}, the questions a step's "
+            "seeds tell apart"
+        )

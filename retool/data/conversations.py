@@ -1,0 +1,170 @@
+"""Worked solutions for the cold start: conversations in the chat-messages layout of the public ReTool SFT
+sets (the user's question, assistant messages whose `tool_calls` run `code_interpreter`, the `tool`
+messages with the output, a final answer with `\\boxed{}`), read from JSONL and written back."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from retool.data.examples import DataError
+from retool.data.reward import last_boxed
+from retool.protocol.chat import TOOL_NAME
+
+
+@dataclass(frozen=True)
+class SolutionTurn:
+    text: str  # what the assistant writes before its call, or its whole final answer
+    code: str | None = None  # the code its tool call runs; None for the final answer
+    output: str | None = None  # the tool message that answered the call
+    trained: bool = True  # false ("weight": 0 on the message): context only, e.g. a mistake that is then corrected
+
+
+@dataclass(frozen=True)
+class Conversation:
+    id: str  # from the file, or "<file stem>-<line>"
+    line: int  # line of the file it came from
+    question: str  # the user message
+    answer: str  # reference answer: the row's "answer", else the final \boxed{}
+    turns: tuple[SolutionTurn, ...]  # assistant turns; the last one answers
+    data_source: str = "cold-start"  # the row's "data_source" (a synthetic problem's family), if it has one
+
+
+# -- reading conversations ----------------------------------------------------------------------------
+
+
+def _call_code(call: Any, where: str) -> str:
+    """The code of one tool call, in the OpenAI layout (arguments as a JSON string) or the Hugging
+    Face layout (arguments as an object)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        raise DataError(f"{where}: a tool call needs a 'function' object")
+    if function.get("name") != TOOL_NAME:
+        raise DataError(f"{where}: unknown tool {function.get('name')!r} (only {TOOL_NAME!r} exists)")
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as error:
+            raise DataError(f"{where}: tool call arguments are not valid JSON ({error.msg})") from None
+    if not isinstance(arguments, dict) or not isinstance(arguments.get("code"), str) or not arguments["code"].strip():
+        raise DataError(f"{where}: tool call arguments need a non-empty string 'code'")
+    return arguments["code"]
+
+
+def _trained(message: dict, where: str) -> bool:
+    """An assistant message's optional "weight" (as in OpenAI's fine-tuning layout): 1 trains on it, 0 keeps it
+    as context only."""
+    weight = message.get("weight", 1)
+    if weight not in (0, 1) or isinstance(weight, bool):
+        raise DataError(f"{where}: field 'weight' must be 0 or 1, got {weight!r}")
+    return weight == 1
+
+
+def _content(message: dict, where: str, allow_empty: bool = False) -> str:
+    content = message.get("content")
+    if content is None and allow_empty:
+        return ""
+    if not isinstance(content, str) or (not allow_empty and not content.strip()):
+        raise DataError(f"{where}: field 'content' is missing or empty")
+    return content
+
+
+def conversation_from_row(row: Any, line: int, where: str, default_id: str) -> Conversation:
+    """One conversation: an optional system message (the run's protocol supplies its own), the
+    question, then assistant turns, each call answered by a tool message, ending on an answer."""
+    if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+        raise DataError(f"{where}: expected an object with a 'messages' list")
+    messages = [m for m in row["messages"] if not (isinstance(m, dict) and m.get("role") == "system")]
+    if not messages or not isinstance(messages[0], dict) or messages[0].get("role") != "user":
+        raise DataError(f"{where}: the first message after the system prompt must be the user's question")
+    question = _content(messages[0], f"{where} message 1")
+    turns: list[SolutionTurn] = []
+    position = 1
+    while position < len(messages):
+        message, at = messages[position], f"{where} message {position + 1}"
+        if not isinstance(message, dict) or message.get("role") not in ("assistant", "tool"):
+            raise DataError(f"{at}: expected an assistant or tool message, got {message!r:.80}")
+        if message["role"] == "tool":
+            raise DataError(f"{at}: a tool message without a tool call before it")
+        calls = message.get("tool_calls") or []
+        if not isinstance(calls, list) or len(calls) > 1:
+            raise DataError(
+                f"{at}: an assistant message may make one tool call, got "
+                f"{len(calls) if isinstance(calls, list) else calls!r}"
+            )
+        if not calls:
+            turns.append(SolutionTurn(_content(message, at), trained=_trained(message, at)))
+            position += 1
+            continue
+        code = _call_code(calls[0], at)
+        reply = messages[position + 1] if position + 1 < len(messages) else None
+        if not isinstance(reply, dict) or reply.get("role") != "tool":
+            raise DataError(f"{at}: its tool call is not answered by a tool message")
+        turns.append(
+            SolutionTurn(
+                _content(message, at, allow_empty=True),
+                code,
+                _content(reply, f"{where} message {position + 2}", allow_empty=True),
+                _trained(message, at),
+            )
+        )
+        position += 2
+    if not turns or turns[-1].code is not None:
+        raise DataError(f"{where}: the conversation must end with an assistant answer")
+    answer = row.get("answer")
+    answer = (
+        str(answer)
+        if isinstance(answer, (str, int, float)) and not isinstance(answer, bool)
+        else last_boxed(turns[-1].text)
+    )
+    if not answer:
+        raise DataError(f"{where}: no 'answer' field and no \\boxed{{}} in the final answer")
+    source = row.get("data_source")
+    source = source if isinstance(source, str) and source else "cold-start"
+    return Conversation(str(row.get("id") or default_id), line, question, answer, tuple(turns), source)
+
+
+def read_conversations(path: str | Path) -> list[Conversation]:
+    """All conversations of a JSONL file; any malformed one is an error naming the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: cold-start data file does not exist")
+    conversations = []
+    with path.open(encoding="utf-8") as handle:
+        for line, text in enumerate(handle, start=1):
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path} line {line}: not valid JSON ({error.msg})") from None
+            conversations.append(conversation_from_row(row, line, f"{path} line {line}", f"{path.stem}-{line}"))
+    if not conversations:
+        raise DataError(f"{path}: cold-start data file has no conversations")
+    return conversations
+
+
+def conversation_row(conversation: Conversation) -> dict:
+    """The JSONL row of a conversation (the inverse of conversation_from_row)."""
+    messages: list[dict] = [{"role": "user", "content": conversation.question}]
+    for number, turn in enumerate(conversation.turns, start=1):
+        weight = {} if turn.trained else {"weight": 0}
+        if turn.code is None:
+            messages.append({"role": "assistant", "content": turn.text, **weight})
+            continue
+        call = {
+            "id": f"call_{number}",
+            "type": "function",
+            "function": {"name": TOOL_NAME, "arguments": json.dumps({"code": turn.code})},
+        }
+        messages.append({"role": "assistant", "content": turn.text, "tool_calls": [call], **weight})
+        messages.append({"role": "tool", "tool_call_id": f"call_{number}", "content": turn.output})
+    return {
+        "id": conversation.id,
+        "answer": conversation.answer,
+        "data_source": conversation.data_source,
+        "messages": messages,
+    }

@@ -1,0 +1,118 @@
+"""Per-step metrics: one row gathered from the files of a training step, written to
+step=NNNN/metrics.parquet, printed as one line, and optionally exported to TensorBoard."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+import pyarrow as pa
+
+from retool.files.atomic import write_text_atomically
+from retool.rollout.state import STOP_REASONS, zero_variance_groups
+from retool.training.record import StepMetrics
+
+TIMINGS = "_timings"  # per-stage wall times, one small JSON file per finished task
+
+
+def record_stage_seconds(step_folder: Path, task_id: str, stage: str, seconds: float, parquet_seconds: float) -> None:
+    """Wall time of one finished task's run(), and the part of it spent reading and writing Parquet."""
+    entry = {"stage": stage, "seconds": seconds, "parquet_seconds": parquet_seconds}
+    write_text_atomically(step_folder / TIMINGS / f"{task_id}.json", json.dumps(entry))
+
+
+def stage_timings(step_folder: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted((step_folder / TIMINGS).glob("*.json"))]
+
+
+def stage_seconds(step_folder: Path) -> dict[str, float]:
+    totals: Counter[str] = Counter()
+    for entry in stage_timings(step_folder):
+        totals[entry["stage"]] += entry["seconds"]
+    return dict(totals)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def step_metrics(
+    step: int, trajectories: pa.Table, observations: pa.Table, training: StepMetrics, seconds: dict[str, float]
+) -> dict:
+    rows = trajectories.to_pylist()
+    valid = [r for r in rows if r["valid_format"]]
+    turns = [r for r in observations.to_pylist() if r["kind"] is not None]
+    calls = [r for r in turns if r["exec_status"] is not None]
+    attempted = [r for r in turns if r["kind"] in ("tool", "invalid")]
+    metrics = {
+        "step": step,
+        "trajectories": len(rows),
+        "reward_mean": _mean([r["reward"] for r in rows]),
+        "correct": _mean([float(r["correct"]) for r in rows]),
+        "format": _mean([float(r["valid_format"]) for r in rows]),
+        "valid_accuracy": _mean([float(r["correct"]) for r in valid]),  # correct among answers in a valid format
+        "sampled_tokens_correct": _mean([float(r["sampled_tokens"]) for r in rows if r["correct"]]),
+        "sampled_tokens_wrong": _mean([float(r["sampled_tokens"]) for r in rows if not r["correct"]]),
+        "turns": _mean([float(r["num_turns"]) for r in rows]),
+        "code_calls": _mean([float(r["code_calls"]) for r in rows]),
+        "trajectory_tokens": _mean([float(r["trajectory_tokens"]) for r in rows]),
+        "valid_tool_call_rate": _mean([float(r["kind"] == "tool") for r in attempted]),
+        "degenerate_group_rate": zero_variance_groups((r["question_index"], r["reward"]) for r in rows)
+        / max(1, len({r["question_index"] for r in rows})),
+        "groups_drawn": len({r["question_index"] for r in rows}),
+        "groups_kept": len({r["question_index"] for r in rows if r["kept"]}),
+        "sandbox_calls": len(calls),
+        "sandbox_ok_rate": _mean([float(r["exec_status"] == "ok") for r in calls]),
+        "sandbox_error_rate": _mean([float(r["exec_status"] == "error") for r in calls]),
+        "sandbox_timeout_rate": _mean([float(r["exec_status"] == "timeout") for r in calls]),
+        "sandbox_seconds_mean": _mean([r["exec_seconds"] for r in calls]),
+        "sandbox_seconds_max": max((r["exec_seconds"] for r in calls), default=float("nan")),
+    }
+    metrics.update({f"stop_{reason}": sum(r["stop_reason"] == reason for r in rows) for reason in STOP_REASONS})
+    training_fields = asdict(training)
+    metrics.update(
+        {f"train_{name}": value for name, value in training_fields.items() if name not in ("trajectories", "seconds")}
+    )
+    metrics["train_skipped"] = bool(training.skipped)
+    for stage in ("Prompts", "SampleRound", "ExecuteRound", "ScoreTrajectories", "BuildDatums"):
+        metrics[f"seconds_{stage}"] = seconds.get(stage, 0.0)
+    metrics["seconds_TrainStep"] = training.seconds
+    return metrics
+
+
+def metrics_table(metrics: dict) -> pa.Table:
+    return pa.Table.from_pylist([metrics])
+
+
+def describe_step(metrics: dict) -> str:
+    stops = ", ".join(
+        f"{reason} {metrics[f'stop_{reason}']}" for reason in STOP_REASONS if metrics.get(f"stop_{reason}")
+    )
+    return (
+        f"step {metrics['step']}: reward {metrics['reward_mean']:+.3f}, correct {metrics['correct']:.3f}, format "
+        f"{metrics['format']:.3f}, correct of valid {metrics['valid_accuracy']:.3f}, turns {metrics['turns']:.2f}, "
+        f"code calls {metrics['code_calls']:.2f}, sandbox ok {metrics['sandbox_ok_rate']:.2f}, sampled tokens "
+        f"{metrics['sampled_tokens_correct']:.0f} correct / {metrics['sampled_tokens_wrong']:.0f} wrong, "
+        f"groups kept {metrics['groups_kept']} of {metrics['groups_drawn']} (degenerate "
+        f"{metrics['degenerate_group_rate']:.2f}), stops: {stops or 'none'}\n"
+        f"  update: {metrics['train_updates']} optimizer steps on {metrics['train_datums']} datums, loss "
+        f"{metrics['train_loss']:+.4f}, entropy {metrics['train_entropy']:.3f}, KL(before||after) k1 "
+        f"{metrics['train_kl_k1']:.2e} k3 {metrics['train_kl_k3']:.2e}, clipped {metrics['train_clip_fraction']:.3f}, "
+        f"ratio outside the clip range after {metrics['train_ratio_outside_clip']:.3f}"
+        + (" (update skipped)" if metrics["train_skipped"] else "")
+    )
+
+
+def export_tensorboard(log_dir: Path, metrics: dict) -> bool:
+    """Writes the step's numeric metrics as TensorBoard scalars when tensorboard is installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return False
+    with SummaryWriter(str(log_dir)) as writer:
+        for name, value in metrics.items():
+            if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                writer.add_scalar(name, value, metrics["step"])
+    return True

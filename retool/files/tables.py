@@ -1,0 +1,190 @@
+"""The Parquet contract: one Arrow schema per kind of file, and reading/writing that checks it."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from retool.files.atomic import write_atomically
+
+TOKENS = pa.list_(pa.int32())
+FLOATS = pa.list_(pa.float32())
+
+PROMPTS = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("question_index", pa.int32()),  # position in the step's batch; groups advantages
+        ("example_id", pa.string()),
+        ("question", pa.string()),
+        ("answer", pa.string()),  # reference answer
+        ("data_source", pa.string()),
+        ("prompt_tokens", TOKENS),  # P(1), rendered by the chat template
+    ]
+)
+
+SAMPLES = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("round", pa.int32()),
+        ("question_index", pa.int32()),
+        ("group_index", pa.int32()),  # branch within the question's group
+        ("prompt_tokens", TOKENS),  # P(i): the exact model input
+        ("completion_tokens", TOKENS),  # C(i): the sampler's own tokens
+        ("logprobs", FLOATS),  # sampler logprob of each completion token
+        ("text", pa.string()),  # decoded from completion_tokens, stripped
+        ("finish_reason", pa.string()),  # stop | length
+        ("seed", pa.int64()),
+    ]
+)
+
+OBSERVATIONS = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("round", pa.int32()),
+        ("question_index", pa.int32()),
+        ("group_index", pa.int32()),
+        ("kind", pa.string()),  # tool | answer | invalid; null when the round had no budget to sample
+        ("code", pa.string()),  # the code run, for an executed call
+        ("call_id", pa.string()),
+        ("exec_status", pa.string()),  # ok | error | timeout
+        ("exec_seconds", pa.float32()),
+        ("tool_content", pa.string()),  # the observation as appended ("" when it did not fit)
+        ("next_prompt_tokens", TOKENS),  # P(i+1); null once done
+        ("code_calls", pa.int32()),  # observations appended so far
+        ("turns", pa.int32()),  # assistant turns so far
+        ("done", pa.bool_()),
+        ("stop_reason", pa.string()),  # null while live
+        ("final_text", pa.string()),  # the text the reward reads; null while live
+    ]
+)
+
+TRAJECTORIES = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("question_index", pa.int32()),
+        ("group_index", pa.int32()),
+        ("example_id", pa.string()),
+        ("data_source", pa.string()),
+        ("answer", pa.string()),
+        ("num_turns", pa.int32()),
+        ("code_calls", pa.int32()),
+        ("code_calls_ok", pa.int32()),  # of those, calls whose code ran without an error or a timeout
+        ("stop_reason", pa.string()),
+        ("final_text", pa.string()),
+        ("extracted_answer", pa.string()),  # last \boxed{} content, null if none
+        ("valid_format", pa.bool_()),
+        ("correct", pa.bool_()),
+        ("reward", pa.float32()),
+        ("advantage", pa.float32()),  # reward minus the question group's mean
+        ("kept", pa.bool_()),  # its group trains this step (dynamic sampling keeps groups of mixed correctness)
+        ("trajectory_tokens", pa.int32()),  # length of the whole token sequence
+        ("sampled_tokens", pa.int32()),  # how many of those the model sampled (the actions)
+    ]
+)
+
+DATUMS = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("question_index", pa.int32()),
+        ("group_index", pa.int32()),
+        ("input_tokens", TOKENS),  # the trajectory's tokens but the last: what the model reads
+        ("target_tokens", TOKENS),  # the tokens but the first: what each position predicts
+        ("old_logprobs", FLOATS),  # sampler logprob of each target on sampled tokens, 0 elsewhere
+        ("advantages", FLOATS),  # the trajectory's advantage on sampled targets, 0 elsewhere
+        ("loss_mask", pa.list_(pa.bool_())),  # True on targets the model sampled
+        ("num_tokens", pa.int32()),
+    ]
+)
+
+
+class TableError(ValueError):
+    """A Parquet file in the run folder is damaged or not what the pipeline wrote."""
+
+
+SFT_EXAMPLES = pa.schema(
+    [
+        ("example_id", pa.string()),
+        ("line", pa.int32()),  # line of the cold-start data file
+        ("num_turns", pa.int32()),
+        ("code_calls", pa.int32()),
+        ("input_tokens", TOKENS),  # the rendered conversation, less its last token
+        ("target_tokens", TOKENS),  # shifted by one
+        (
+            "loss_mask",
+            pa.list_(pa.bool_()),
+        ),  # True on targets the assistant emits; tool output and template tokens False
+        ("num_tokens", pa.int32()),
+    ]
+)
+
+SFT_LOSSES = pa.schema(
+    [
+        ("step", pa.int32()),
+        ("loss", pa.float64()),  # mean token NLL of the step's batch, before its update
+        ("examples", pa.int32()),
+        ("loss_tokens", pa.int32()),
+        ("grad_norm", pa.float64()),  # before clipping
+        ("seconds", pa.float64()),
+    ]
+)
+
+
+def table_from_rows(rows: Sequence[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    return pa.Table.from_pylist(list(rows), schema=schema)
+
+
+_parquet_seconds = 0.0  # spent by this process in read_table and write_table_atomically
+
+
+def parquet_seconds() -> float:
+    """Seconds this process has spent reading and writing pipeline Parquet files so far."""
+    return _parquet_seconds
+
+
+def _timed(function):
+    @functools.wraps(function)
+    def timed(*args, **kwargs):
+        global _parquet_seconds
+        started = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _parquet_seconds += time.perf_counter() - started
+
+    return timed
+
+
+@functools.lru_cache(maxsize=16)  # about one step's files of one shard
+def _read_published(path: str, inode: int, mtime_ns: int, size: int) -> pa.Table:
+    """Files are only ever replaced whole (a new inode), so a version read once is reused: each
+    stage replays its shard from every earlier round file, and a process runs many stages."""
+    return pq.read_table(path)
+
+
+@_timed
+def read_table(path: str | Path, schema: pa.Schema) -> pa.Table:
+    """Reads a file the pipeline wrote; a truncated or foreign file is an error naming it."""
+    path = Path(path)
+    try:
+        version = path.stat()
+        table = _read_published(str(path), version.st_ino, version.st_mtime_ns, version.st_size)
+    except Exception as error:  # pyarrow raises several types for damaged files
+        raise TableError(f"{path}: not a readable Parquet file ({error}); delete it and re-run its stage") from None
+    missing = [name for name in schema.names if name not in table.schema.names]
+    if missing:
+        raise TableError(f"{path}: missing columns {missing}; it was not written by this pipeline stage")
+    try:
+        return table.select(schema.names).cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as error:
+        raise TableError(f"{path}: columns have unexpected types ({error})") from None
+
+
+@_timed
+def write_table_atomically(table: pa.Table, path: str | Path) -> None:
+    write_atomically(path, lambda temporary: pq.write_table(table, temporary))

@@ -1,0 +1,78 @@
+"""A shard's trajectories rebuilt from the files of its rounds: the state of a round is never stored
+separately, so a re-run stage starts from exactly what its inputs say."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from retool.config.rollout import RolloutConfig
+from retool.data.examples import MathExample
+from retool.protocol.chat import ChatProtocol
+from retool.rollout.state import AssistantTurn, ToolCall, Trajectory, start_trajectories
+
+
+class StaleInputError(ValueError):
+    """A stage's input no longer matches the state it was made from (an upstream file changed)."""
+
+
+@dataclass(frozen=True)
+class RoundFiles:
+    samples: pa.Table  # what SampleRound wrote for this round
+    observations: pa.Table  # what ExecuteRound wrote for this round
+
+
+def shard_of(question_index: int, shards: int) -> int:
+    return question_index % shards
+
+
+def replay(
+    prompts: pa.Table, rounds: Sequence[RoundFiles], protocol: ChatProtocol, config: RolloutConfig, shard: int = 0
+) -> list[Trajectory]:
+    """The trajectories of one shard as they stand after `rounds`, rebuilt from the files alone."""
+    rows = [row for row in prompts.to_pylist() if shard_of(row["question_index"], config.shards) == shard]
+    examples = [MathExample(row["example_id"], row["question"], row["answer"], row["data_source"]) for row in rows]
+    trajectories = start_trajectories(examples, protocol, config, [row["question_index"] for row in rows])
+    stored = {row["question_index"]: list(row["prompt_tokens"]) for row in rows}
+    for trajectory in trajectories:
+        if trajectory.next_prompt_tokens != stored[trajectory.question_index]:
+            raise StaleInputError(
+                f"prompts.parquet: question {trajectory.question_index}'s prompt is not what the protocol renders "
+                "now; re-run its Prompts stage"
+            )
+    by_branch = {(t.question_index, t.group_index): t for t in trajectories}
+    for files in rounds:
+        for row in files.samples.to_pylist():
+            trajectory = by_branch[(row["question_index"], row["group_index"])]
+            trajectory.turns.append(
+                AssistantTurn(
+                    row["prompt_tokens"],
+                    row["completion_tokens"],
+                    row["logprobs"],
+                    row["text"],
+                    row["finish_reason"],
+                    row["seed"],
+                )
+            )
+            trajectory.messages.append(protocol.assistant_message(row["text"]))
+        for row in files.observations.to_pylist():
+            _restore_observation(by_branch[(row["question_index"], row["group_index"])], row, protocol)
+    return trajectories
+
+
+def _restore_observation(trajectory: Trajectory, row: dict, protocol: ChatProtocol) -> None:
+    if row["kind"] is not None:
+        turn = trajectory.turns[-1]
+        turn.kind = row["kind"]
+        if row["call_id"] is not None:
+            turn.tool_call = ToolCall(
+                row["call_id"], row["code"], row["exec_status"], row["exec_seconds"], row["tool_content"]
+            )
+            if not row["done"]:  # executed and appended
+                trajectory.messages.append(protocol.tool_message(row["tool_content"], row["call_id"]))
+    trajectory.code_calls = row["code_calls"]
+    trajectory.next_prompt_tokens = row["next_prompt_tokens"]
+    if row["done"]:
+        trajectory.done, trajectory.stop_reason, trajectory.final_text = True, row["stop_reason"], row["final_text"]

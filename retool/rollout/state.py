@@ -1,0 +1,387 @@
+"""The multi-turn rollout state machine.
+
+A round is three pure steps that the pipeline runs as separate stages and `rollout_in_memory`
+runs in one loop:
+
+    plan_requests   live trajectories            -> sample requests (ends those without budget)
+    apply_samples   trajectories + sampled turns -> pending executions (ends answers, invalid turns)
+    apply_results   pending + sandbox results    -> observations appended, or the trajectory ends
+
+Names follow the reference chapter (rollout-state-machine): make_request, begin_advance,
+fit_tool_content, finish_advance, score_trajectory, assign_group_advantages.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from retool.config.rollout import RolloutConfig, sample_seed
+from retool.data.examples import MathExample
+from retool.data.reward import last_boxed, score_answer
+from retool.protocol.chat import ChatProtocol, neutralise, parse_assistant
+from retool.sampling.contract import SampledSequence, Sampler, SampleRequest, sample_checked
+from retool.sandbox.call import ExecutionResult, Sandbox
+
+STOP_REASONS = (
+    "answer",
+    "invalid",
+    "max_code_calls",
+    "max_turns",
+    "token_budget",
+    "turn_budget",
+    "observation_over_budget",
+    "prompt_over_budget",
+)
+TRUNCATION_MARKER = "[... truncated ...]\n"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    call_id: str  # code-{question}-{branch}-{n}
+    code: str  # what the sandbox ran
+    status: str  # ok | error | timeout
+    seconds: float  # sandbox wall time
+    content: str  # the observation as appended (after neutralising and truncation); "" if it did not fit
+
+
+@dataclass
+class AssistantTurn:
+    prompt_tokens: list[int]  # P(i): the full model input of this turn
+    completion_tokens: list[int]  # C(i): the sampler's tokens
+    logprobs: list[float]  # L(i): the sampler's logprob of each token of C(i)
+    text: str  # decoded from C(i), stripped; what the protocol parses
+    finish_reason: str  # stop | length
+    seed: int  # the sampling seed of this turn
+    kind: str = ""  # tool | answer | invalid, filled right after the turn is recorded
+    tool_call: ToolCall | None = None  # the executed call, when there was one
+
+
+@dataclass
+class Trajectory:
+    example: MathExample  # the question and its reference answer
+    question_index: int  # position of the question in this step's batch
+    group_index: int  # branch within the question's group
+    messages: list[dict]  # readable history: system, user, assistant, tool
+    next_prompt_tokens: list[int] | None = None  # the exact next prompt; None once done
+    turns: list[AssistantTurn] = field(default_factory=list)  # every sampled action, in order
+    code_calls: int = 0  # observations appended to the history
+    done: bool = False
+    stop_reason: str | None = None  # one of STOP_REASONS once done
+    final_text: str = ""  # the text the reward reads
+    reward: float | None = None  # +1 / -1, set after every trajectory has ended
+    valid_format: bool = False
+    correct: bool = False
+    extracted_answer: str | None = None
+    advantage: float | None = None  # reward minus the group's mean reward
+    kept: bool = True  # its group trains this step (see keep_groups)
+
+    def end(self, stop_reason: str, final_text: str | None = None) -> None:
+        """Ends the trajectory; without an explicit text the last assistant text is scored."""
+        assert stop_reason in STOP_REASONS, stop_reason
+        self.done, self.stop_reason, self.next_prompt_tokens = True, stop_reason, None
+        self.final_text = final_text if final_text is not None else (self.turns[-1].text if self.turns else "")
+
+    def token_ids(self) -> list[int]:
+        """The whole sequence: the last prompt plus the last completion."""
+        if not self.turns:
+            return list(self.next_prompt_tokens or [])
+        last = self.turns[-1]
+        return [*last.prompt_tokens, *last.completion_tokens]
+
+
+@dataclass(frozen=True)
+class PendingExecution:
+    trajectory: Trajectory  # where the result is written back
+    code: str  # what the sandbox runs
+    call_id: str
+    messages_before_assistant: list[dict]  # history before this turn: the context of the delta
+    assistant_text: str  # scored as the final text if the observation cannot be appended
+    prompt_tokens: list[int]  # P(i)
+    completion_tokens: list[int]  # C(i)
+
+
+def start_trajectories(
+    examples: Sequence[MathExample],
+    protocol: ChatProtocol,
+    config: RolloutConfig,
+    question_indices: Sequence[int] | None = None,
+) -> list[Trajectory]:
+    """`group_size` independent branches per question, all waiting on the question's first prompt.
+    Questions are numbered in order unless `question_indices` gives their place in the step."""
+    trajectories = []
+    for question_index, example in zip(question_indices or range(len(examples)), examples, strict=True):
+        messages = protocol.initial_messages(example.question)
+        prompt = protocol.build_prompt(messages)
+        for group_index in range(config.group_size):
+            trajectories.append(
+                Trajectory(example, question_index, group_index, [dict(m) for m in messages], list(prompt))
+            )
+    return trajectories
+
+
+def can_code(trajectory: Trajectory, config: RolloutConfig, turns_after_this: int) -> bool:
+    """The reference's can_code rule: a tool call runs only while the trajectory has calls left and
+    the turn is not its last allowed one (so an answer turn can still follow the observation)."""
+    return trajectory.code_calls < config.max_code_calls and turns_after_this < config.max_assistant_turns
+
+
+def turn_budget(trajectory: Trajectory, protocol: ChatProtocol, config: RolloutConfig) -> int:
+    """Tokens the next turn may generate: within the turn cap and the trajectory budget, keeping room
+    for the tool wrapper and a minimal observation when the turn could still call the tool."""
+    remaining = config.max_trajectory_tokens - len(trajectory.next_prompt_tokens)
+    if can_code(trajectory, config, turns_after_this=len(trajectory.turns) + 1):
+        remaining -= protocol.tool_wrapper_tokens(trajectory.messages) + config.min_tool_response_tokens
+    return min(config.max_assistant_tokens, remaining)
+
+
+def make_request(
+    trajectories: Sequence[Trajectory], protocol: ChatProtocol, config: RolloutConfig, step: int
+) -> SampleRequest | None:
+    """One request for branches that share a prompt (a question's whole group in the first round, a
+    single branch later). Ends them instead when no token can be generated within budget."""
+    first = trajectories[0]
+    max_tokens = turn_budget(first, protocol, config)
+    if max_tokens <= 0:
+        for trajectory in trajectories:
+            trajectory.end("prompt_over_budget" if not trajectory.turns else "token_budget")
+        return None
+    turn = len(first.turns)
+    return SampleRequest(
+        question_index=first.question_index,
+        group_indices=tuple(t.group_index for t in trajectories),
+        prompt_tokens=tuple(first.next_prompt_tokens),
+        max_tokens=max_tokens,
+        seed=sample_seed(config.seed, step, first.question_index, 0 if turn == 0 else first.group_index, turn),
+    )
+
+
+def plan_requests(
+    trajectories: Sequence[Trajectory], protocol: ChatProtocol, config: RolloutConfig, step: int
+) -> list[SampleRequest]:
+    """Requests for every live trajectory: branches with no turn yet share their question's first
+    prompt and are asked for together (n = group size); every other branch alone (n = 1)."""
+    groups: dict[tuple[int, int], list[Trajectory]] = defaultdict(list)
+    for trajectory in trajectories:
+        if not trajectory.done:
+            key = (trajectory.question_index, -1 if not trajectory.turns else trajectory.group_index)
+            groups[key].append(trajectory)
+    requests = [make_request(group, protocol, config, step) for _, group in sorted(groups.items())]
+    return [request for request in requests if request is not None]
+
+
+def stop_reason_of(
+    kind: str, text: str, sequence: SampledSequence, request: SampleRequest, config: RolloutConfig
+) -> str:
+    """Why a turn without a runnable call ends its trajectory. A turn cut off by the token cap with no
+    \\boxed{} answer did not answer: it ran out of its own budget (turn_budget) or the trajectory's
+    (token_budget)."""
+    if sequence.finish_reason == "length" and last_boxed(text) is None:
+        return "turn_budget" if request.max_tokens >= config.max_assistant_tokens else "token_budget"
+    return "answer" if kind == "answer" else "invalid"
+
+
+def begin_advance(
+    trajectory: Trajectory,
+    sequence: SampledSequence,
+    request: SampleRequest,
+    protocol: ChatProtocol,
+    config: RolloutConfig,
+) -> PendingExecution | None:
+    """Records the sampled turn first, then parses it: a runnable tool call becomes a pending
+    execution; anything else ends the trajectory."""
+    text = protocol.decode(list(sequence.tokens)).strip()  # text from the tokens, never trusted separately
+    turn = AssistantTurn(
+        list(request.prompt_tokens),
+        list(sequence.tokens),
+        list(sequence.logprobs),
+        text,
+        sequence.finish_reason,
+        request.seed,
+    )
+    trajectory.turns.append(turn)
+    parsed = parse_assistant(text, protocol.tool_format)
+    turn.kind = parsed.kind
+    messages_before_assistant = list(trajectory.messages)
+    trajectory.messages.append(protocol.assistant_message(text))
+    if parsed.kind != "tool":
+        trajectory.end(stop_reason_of(parsed.kind, text, sequence, request, config), text)
+        return None
+    if not can_code(trajectory, config, turns_after_this=len(trajectory.turns)):
+        trajectory.end("max_code_calls" if trajectory.code_calls >= config.max_code_calls else "max_turns", text)
+        return None
+    call_id = f"code-{trajectory.question_index}-{trajectory.group_index}-{trajectory.code_calls + 1}"
+    return PendingExecution(
+        trajectory, parsed.code, call_id, messages_before_assistant, text, turn.prompt_tokens, turn.completion_tokens
+    )
+
+
+def apply_samples(
+    trajectories: Sequence[Trajectory],
+    requests: Sequence[SampleRequest],
+    replies: Sequence[Sequence[SampledSequence]],
+    protocol: ChatProtocol,
+    config: RolloutConfig,
+) -> list[PendingExecution]:
+    by_branch = {(t.question_index, t.group_index): t for t in trajectories}
+    pendings = []
+    for request, sequences in zip(requests, replies, strict=True):
+        for group_index, sequence in zip(request.group_indices, sequences, strict=True):
+            pending = begin_advance(
+                by_branch[(request.question_index, group_index)], sequence, request, protocol, config
+            )
+            if pending is not None:
+                pendings.append(pending)
+    return pendings
+
+
+def cut_to_fit(content: str, protocol: ChatProtocol, overflow: Callable[[str], int]) -> str | None:
+    """`content`, or its tail after TRUNCATION_MARKER, holding the most tokens for which `overflow(text)`
+    (tokens over budget) is at most 0, counted on the real tokens. Each retry keeps strictly fewer tokens,
+    so this always ends; None when even the bare truncation marker does not fit."""
+    content_ids = protocol.encode(content)
+    keep = len(content_ids)
+    while True:
+        if keep == len(content_ids):
+            text = content
+        else:
+            text = (
+                TRUNCATION_MARKER + protocol.decode(content_ids[len(content_ids) - keep :])
+                if keep
+                else TRUNCATION_MARKER.rstrip("\n")
+            )
+        over = overflow(text)
+        if over <= 0:
+            return text
+        if keep == 0:
+            return None
+        keep = max(0, min(keep - over, keep - 1))
+
+
+def fit_tool_content(
+    pending: PendingExecution, content: str, protocol: ChatProtocol, config: RolloutConfig
+) -> tuple[str, list[int]] | None:
+    """The observation and next prompt, with the content cut to its tail so that it holds at most
+    max_tool_response_tokens and the next prompt at most max_trajectory_tokens; None when nothing fits."""
+
+    def next_prompt(text: str) -> list[int]:
+        return protocol.build_next_prompt(
+            pending.prompt_tokens, pending.completion_tokens, pending.messages_before_assistant, text, pending.call_id
+        )
+
+    def overflow(text: str) -> int:
+        return max(
+            protocol.count_tokens(text) - config.max_tool_response_tokens,
+            len(next_prompt(text)) - config.max_trajectory_tokens,
+        )
+
+    text = cut_to_fit(content, protocol, overflow)
+    return None if text is None else (text, next_prompt(text))
+
+
+def finish_advance(
+    pending: PendingExecution, result: ExecutionResult, content: str, protocol: ChatProtocol, config: RolloutConfig
+) -> None:
+    """Appends the observation and the next prompt, or ends the trajectory when it cannot fit."""
+    trajectory = pending.trajectory
+    fitted = fit_tool_content(pending, content, protocol, config)
+    appended = fitted[0] if fitted else ""
+    trajectory.turns[-1].tool_call = ToolCall(pending.call_id, pending.code, result.status, result.seconds, appended)
+    if fitted is None:
+        trajectory.end("observation_over_budget", pending.assistant_text)
+        return
+    trajectory.messages.append(protocol.tool_message(appended, pending.call_id))
+    trajectory.next_prompt_tokens = fitted[1]
+    trajectory.code_calls += 1
+
+
+def apply_results(
+    pendings: Sequence[PendingExecution],
+    results: Sequence[ExecutionResult],
+    sandbox: Sandbox,
+    protocol: ChatProtocol,
+    config: RolloutConfig,
+) -> None:
+    for pending, result in zip(pendings, results, strict=True):
+        content = neutralise(sandbox.observation(result), protocol.forbidden_strings)
+        finish_advance(pending, result, content, protocol, config)
+
+
+def score_trajectory(trajectory: Trajectory) -> None:
+    score = score_answer(trajectory.final_text, trajectory.example.answer)
+    trajectory.reward, trajectory.valid_format, trajectory.correct, trajectory.extracted_answer = (
+        score.reward,
+        score.valid_format,
+        score.correct,
+        score.extracted_answer,
+    )
+
+
+def assign_group_advantages(trajectories: Sequence[Trajectory]) -> None:
+    """A = R - mean(R of the same question in this step). Every reward must already be set."""
+    unscored = [t for t in trajectories if t.reward is None]
+    if unscored:
+        raise ValueError(
+            f"{len(unscored)} trajectories have no reward yet; score every trajectory before computing advantages"
+        )
+    groups: dict[int, list[Trajectory]] = defaultdict(list)
+    for trajectory in trajectories:
+        groups[trajectory.question_index].append(trajectory)
+    for group in groups.values():
+        mean = sum(t.reward for t in group) / len(group)
+        for trajectory in group:
+            trajectory.advantage = trajectory.reward - mean
+
+
+def keep_groups(trajectories: Sequence[Trajectory], limit: int | None) -> None:
+    """Dynamic sampling (DAPO): with a `limit`, only the groups whose answers differ in correctness
+    train, the first `limit` of them in question order; the others are drawn but not kept. Correctness,
+    not reward: a group that differs only in a shaped part of the reward has nothing to teach about the
+    answer. Without a limit every group is kept."""
+    groups: dict[int, list[Trajectory]] = defaultdict(list)
+    for trajectory in trajectories:
+        groups[trajectory.question_index].append(trajectory)
+    kept = 0
+    for _, group in sorted(groups.items()):
+        mixed = len({t.correct for t in group}) > 1
+        keep = limit is None or (mixed and kept < limit)
+        kept += keep
+        for trajectory in group:
+            trajectory.kept = keep
+
+
+def zero_variance_groups(question_rewards: Iterable[tuple[int, float]]) -> int:
+    """Questions whose whole group got the same reward: advantage 0 everywhere, no learning signal.
+    Takes (question_index, reward) pairs."""
+    rewards: dict[int, set[float]] = defaultdict(set)
+    for question_index, reward in question_rewards:
+        rewards[question_index].add(reward)
+    return sum(1 for values in rewards.values() if len(values) == 1)
+
+
+def rollout_in_memory(
+    examples: Sequence[MathExample],
+    sampler: Sampler,
+    sandbox: Sandbox,
+    protocol: ChatProtocol,
+    config: RolloutConfig,
+    step: int = 0,
+    on_round: Callable[[int, Sequence[Trajectory]], None] | None = None,
+) -> list[Trajectory]:
+    """The whole state machine in one process: rounds until every trajectory ends, then rewards, then
+    advantages. The pipeline runs the same steps one stage at a time and must give the same result."""
+    trajectories = start_trajectories(examples, protocol, config)
+    settings = config.sampling_settings(protocol)
+    round_index = 0
+    while requests := plan_requests(trajectories, protocol, config, step):
+        replies = sample_checked(sampler, requests, settings)
+        pendings = apply_samples(trajectories, requests, replies, protocol, config)
+        apply_results(pendings, sandbox.run_many([p.code for p in pendings]), sandbox, protocol, config)
+        if on_round:
+            on_round(round_index, trajectories)
+        round_index += 1
+    for trajectory in trajectories:
+        score_trajectory(trajectory)
+    assign_group_advantages(trajectories)
+    return trajectories

@@ -1,0 +1,149 @@
+"""What a stage runs with: one RunContext per task (its settings, folder, policy, protocol, sandbox and
+sampler), and `open_run`, the set-up done once per run before any stage (and before Luigi forks
+worker processes, which then share the tokenizer and the sandbox's pre-warmed servers)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from pathlib import Path
+
+from retool.config.sandbox import SandboxConfig
+from retool.config.settings import ModelConfig, RunSettings, SettingsError, check_training
+from retool.data.conversations import read_conversations
+from retool.data.examples import MathExample, shuffled, take_batch
+from retool.evaluation.spec import EvalSpec, _examples, rollout_settings
+from retool.files.layout import policy_checkpoint, round_dir, sft_folder, step_folder
+from retool.files.tables import OBSERVATIONS, PROMPTS, SAMPLES, read_table
+from retool.protocol.chat import ChatProtocol, load_tokenizer
+from retool.rollout.replay import RoundFiles, replay
+from retool.rollout.state import Trajectory
+from retool.run.setup import check_machine, freeze, workers_warning
+from retool.sampling import engines
+from retool.sampling.contract import Sampler
+from retool.sampling.server import server_urls
+from retool.sandbox.call import Sandbox
+from retool.weights.models import resolve_model
+
+log = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=None)
+def open_run(settings: RunSettings, workers: int = 1) -> None:
+    """Once per process and run: fail early on settings this machine cannot run, freeze them, and
+    load what every task of the run shares (`workers`: the command's worker processes)."""
+    check_training(settings)
+    check_machine(settings)
+    if warning := workers_warning(settings, workers):
+        log.warning(warning)
+    check_inputs(settings)
+    freeze(settings)
+    if settings.sampler.engine == "vllm-server":
+        server_urls(settings)  # found or started before Luigi forks workers, which then share it
+    protocol_for(settings.model)
+    if settings.model.use_tools:
+        sandbox_for(settings.sandbox).prewarm()
+
+
+def check_inputs(settings: RunSettings) -> None:
+    """Reads the run's data files once, so that a bad row fails the command at once with the file and
+    line, instead of failing a stage that the scheduler would retry."""
+    step_examples(settings, 0, None)
+    if settings.cold_start.data:
+        read_conversations(settings.cold_start.data)
+
+
+@dataclass(frozen=True)
+class RunContext:
+    run: RunSettings  # the run's settings, as frozen in its config.json
+    step: int  # the training step, or the checkpoint an evaluation scores (-1: the base or cold-start model)
+    evaluation: EvalSpec | None = None  # None: a training step
+    cold_start: bool = False  # a stage of the cold start (folder runs/<run>/sft/)
+
+    def __post_init__(self) -> None:
+        if self.evaluation is not None and self.evaluation.sft and (self.step != -1 or not self.run.cold_start.data):
+            raise SettingsError(
+                "--sft evaluates the cold-start checkpoint: it needs --step -1 and a run with [cold_start] data set"
+            )
+
+    @cached_property
+    def settings(self) -> RunSettings:
+        """Those this task's rollout runs under: an evaluation asks its own questions, n times each."""
+        return rollout_settings(self.run, self.evaluation)
+
+    @cached_property
+    def folder(self) -> Path:
+        return sft_folder(self.run) if self.cold_start else step_folder(self.run, self.step, self.evaluation)
+
+    @property
+    def policy(self) -> Path | None:
+        """The checkpoint this task's rollout samples from (None: the base model)."""
+        return policy_checkpoint(self.run, self.step, self.evaluation)
+
+    @property
+    def protocol(self) -> ChatProtocol:
+        return protocol_for(self.settings.model)
+
+    @property
+    def sandbox(self) -> Sandbox:
+        return sandbox_for(self.settings.sandbox)
+
+    def examples(self) -> list[MathExample]:
+        return step_examples(self.run, self.step, self.evaluation)
+
+    def sampler(self, shard: int = 0) -> Sampler:
+        """The engine this process samples the shard with, switched to this task's policy; loaded on first use."""
+        return engines.sampler_for(self.run, self.policy, shard)
+
+    def round_files(self, shard: int, rounds: int) -> list[RoundFiles]:
+        """The samples and observations of the first `rounds` rounds of one shard."""
+        folders = [round_dir(self.folder, shard, round_index) for round_index in range(rounds)]
+        return [
+            RoundFiles(read_table(f / "samples.parquet", SAMPLES), read_table(f / "observations.parquet", OBSERVATIONS))
+            for f in folders
+        ]
+
+    def trajectories(self, shard: int, rounds: int) -> list[Trajectory]:
+        """The shard's trajectories after `rounds` complete rounds, rebuilt from the files."""
+        rollout = self.settings.rollout
+        prompts = read_table(self.folder / "prompts.parquet", PROMPTS)
+        return replay(prompts, self.round_files(shard, rounds), self.protocol, rollout, shard)
+
+    def all_trajectories(self) -> list[Trajectory]:
+        rollout = self.settings.rollout
+        return [t for shard in range(rollout.shards) for t in self.trajectories(shard, rollout.max_assistant_turns)]
+
+
+@lru_cache(maxsize=256)
+def context_for(
+    run: RunSettings, step: int, evaluation: EvalSpec | None = None, cold_start: bool = False
+) -> RunContext:
+    """A task's context; tasks ask for it often, so each is built once."""
+    return RunContext(run, step, evaluation, cold_start)
+
+
+@lru_cache(maxsize=4)
+def protocol_for(model: ModelConfig) -> ChatProtocol:
+    """One per tokenizer and template (loading a tokenizer takes most of a second), shared by runs."""
+    return ChatProtocol(
+        load_tokenizer(resolve_model(model.name)),
+        tool_format=model.tool_format,
+        chat_template=model.chat_template or None,
+        tools=model.use_tools,
+        template_kwargs=model.template_kwargs(),
+        system_prompt=(model.system_prompt or None) if model.use_tools else None,  # text-only: its own
+    )
+
+
+@lru_cache(maxsize=4)
+def sandbox_for(config: SandboxConfig) -> Sandbox:
+    """One per sandbox configuration, so its pre-warmed servers serve every task of the process."""
+    return Sandbox(config)
+
+
+def step_examples(settings: RunSettings, step: int, evaluation: EvalSpec | None) -> list[MathExample]:
+    if evaluation is not None:
+        return evaluation.examples()
+    data = settings.data
+    return take_batch(shuffled(_examples(data.train), data.seed), step, data.questions_rolled_out)

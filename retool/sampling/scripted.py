@@ -1,0 +1,42 @@
+"""A sampler that replays scripted completions, for tests and benchmarks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from retool.sampling.contract import SampledSequence, SampleRequest, SamplingSettings
+
+Script = Callable[[SampleRequest, int], tuple[Sequence[int], Sequence[float]]]
+
+
+@dataclass
+class ScriptedSampler:
+    """Replays completions chosen by `script(request, sample_index)` -> (tokens, logprobs), cut at
+    max_tokens and at the first stop token like a real engine. For tests and benchmarks."""
+
+    script: Script
+    seconds_per_token: float = 0.0  # simulated decode latency
+    requests: list[SampleRequest] = field(default_factory=list)  # every request seen, in order
+
+    def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
+        replies = []
+        for request in requests:
+            self.requests.append(request)
+            sequences = []
+            for index in range(request.num_samples):
+                tokens, logprobs = (list(values) for values in self.script(request, index))
+                stop_at = next(
+                    (position + 1 for position, token in enumerate(tokens) if token in settings.stop_token_ids), None
+                )
+                finish = "stop"
+                if stop_at is not None:
+                    tokens, logprobs = tokens[:stop_at], logprobs[:stop_at]
+                if len(tokens) > request.max_tokens:
+                    tokens, logprobs, finish = tokens[: request.max_tokens], logprobs[: request.max_tokens], "length"
+                sequences.append(SampledSequence(tuple(tokens), tuple(logprobs), finish))
+            if self.seconds_per_token:
+                time.sleep(self.seconds_per_token * max(len(sequence.tokens) for sequence in sequences))
+            replies.append(sequences)
+        return replies

@@ -1,0 +1,151 @@
+"""Sampling through vLLM's own OpenAI-compatible server: token-id prompts in, the sampled token ids and
+each one's logprob out (nothing is re-tokenised). One long-lived server samples for every shard,
+worker and command; it loads each step's adapter at run time and sleeps while a step trains on its GPU.
+
+Endpoints used: /health, /v1/completions, /v1/load_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING),
+and the development ones (VLLM_SERVER_DEV_MODE) /reset_prefix_cache, /collective_rpc, /sleep, /wake_up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+
+from retool.sampling.adapters import ADAPTER_WEIGHTS, adapter_for_engine
+from retool.sampling.contract import SampledSequence, SampleRequest, SamplingSettings
+from retool.sampling.progress import sampling_progress, set_tokens
+
+HEALTH_TIMEOUT_SECONDS = 5.0
+
+
+class ServerError(RuntimeError):
+    """The vLLM server refused or failed a call; the message names the server and the call."""
+
+
+def is_healthy(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/health", timeout=HEALTH_TIMEOUT_SECONDS).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def served_model(url: str) -> str:
+    """The base model a server serves (its name in /v1/models: the folder it was started with)."""
+    models = _call("GET", url, "/v1/models", timeout=HEALTH_TIMEOUT_SECONDS)["data"]
+    return next(m["id"] for m in models if m.get("parent") is None)
+
+
+def _call(method: str, url: str, path: str, timeout: float, **kwargs) -> dict:
+    try:
+        response = requests.request(method, f"{url}{path}", timeout=timeout, **kwargs)
+    except requests.RequestException as error:
+        raise ServerError(f"vLLM server {url}: {method} {path} failed ({error.__class__.__name__}: {error})") from None
+    if response.status_code != 200:
+        raise ServerError(f"vLLM server {url}: {method} {path} answered {response.status_code}: {response.text[:300]}")
+    return response.json() if response.content and "json" in response.headers.get("content-type", "") else {}
+
+
+class ServerSampler:
+    """A Sampler over one vLLM server (see retool.sampling.contract.Sampler)."""
+
+    def __init__(self, url: str, device: str, request_timeout_seconds: float = 600.0, workers: int = 64):
+        self.url, self.device = url.rstrip("/"), device
+        self.request_timeout_seconds = request_timeout_seconds  # a hung server fails the call, then its retries
+        self.base_model = served_model(self.url)  # what every request samples unless an adapter is loaded
+        self.model = self.base_model  # the name requests are sampled under now
+        self.policy: Path | None = None
+        self.weights = Path(self.base_model)  # the full weights the server holds now
+        self._adapters = Path(tempfile.mkdtemp(prefix="retool-adapters-"))  # adapters renamed for the engine
+        self._workers = workers  # HTTP calls at once, one per request: the server batches them
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = 0  # the process the pool's threads run in (a forked worker needs its own)
+
+    def use_policy(self, checkpoint: Path | None, adapter_base: Path | None = None) -> None:
+        """A LoRA checkpoint is loaded under a new name (the server caches adapters by name); full weights
+        are reloaded in place, which the vLLM CPU engine cannot do correctly (it keeps the weights its
+        kernels packed at start), so there a server serves only its own weights and adapters over them."""
+        if checkpoint == self.policy:
+            return
+        self.wake()
+        adapter = checkpoint is not None and (checkpoint / "adapter").is_dir()
+        weights = (adapter_base or Path(self.base_model)) if adapter or checkpoint is None else checkpoint / "model"
+        self._load_weights(Path(weights))
+        self.model = self.base_model
+        if adapter:
+            # Named by content: every process and command that serves this checkpoint loads the same name,
+            # and an adapter trained again at the same path gets a new one (the server caches by name).
+            name = "policy-" + hashlib.sha256((checkpoint / "adapter" / ADAPTER_WEIGHTS).read_bytes()).hexdigest()[:16]
+            served = adapter_for_engine(checkpoint / "adapter", Path(self.base_model), self._adapters / name)
+            payload = {"lora_name": name, "lora_path": str(served)}
+            _call("POST", self.url, "/v1/load_lora_adapter", self.request_timeout_seconds, json=payload)
+            self.model = name
+        _call("POST", self.url, "/reset_prefix_cache", self.request_timeout_seconds)
+        self.policy = checkpoint
+
+    def _load_weights(self, weights: Path) -> None:
+        if weights.resolve() == self.weights.resolve():
+            return
+        if self.device == "cpu":
+            raise ServerError(
+                f"vLLM server {self.url} on a CPU cannot switch to the full weights {weights}: the CPU engine "
+                "keeps the weights its kernels packed at start. Serve LoRA policies over its own model, or sample "
+                "in-process ([sampler] engine = vllm), which loads each new policy in a fresh engine"
+            )
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}
+        _call("POST", self.url, "/collective_rpc", self.request_timeout_seconds, json=rpc)
+        self.weights = weights
+
+    def sleep(self) -> None:
+        """Frees the GPU for a training step (weights to CPU memory, KV cache dropped); nothing on a CPU."""
+        if self.device == "cuda":
+            _call("POST", self.url, "/sleep?level=1", self.request_timeout_seconds)
+
+    def wake(self) -> None:
+        if self.device == "cuda":
+            _call("POST", self.url, "/wake_up", self.request_timeout_seconds)
+
+    def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
+        if not requests:
+            return []
+        self.wake()
+        if self._pool_pid != os.getpid():  # made here, not inherited: a forked process has none of its threads
+            self._pool, self._pool_pid = ThreadPoolExecutor(max_workers=self._workers), os.getpid()
+        replies, sampled_tokens = [], 0
+        with sampling_progress(sum(request.num_samples for request in requests)) as progress:
+            # Counted in the requests' order, as map hands the replies back.
+            for sequences in self._pool.map(lambda request: self._sample_one(request, settings), requests):
+                replies.append(sequences)
+                sampled_tokens += sum(len(sequence.tokens) for sequence in sequences)
+                set_tokens(progress, sampled_tokens)
+                progress.update(len(sequences))
+        return replies
+
+    def _sample_one(self, request: SampleRequest, settings: SamplingSettings) -> list[SampledSequence]:
+        body = {
+            "model": self.model,
+            "prompt": list(request.prompt_tokens),
+            "n": request.num_samples,
+            "seed": request.seed,
+            "max_tokens": request.max_tokens,
+            "temperature": settings.temperature,
+            "top_p": settings.top_p,
+            "stop": list(settings.stop_strings),
+            "stop_token_ids": list(settings.stop_token_ids),
+            "logprobs": 0,
+            "return_token_ids": True,
+            "skip_special_tokens": False,
+        }
+        reply = _call("POST", self.url, "/v1/completions", self.request_timeout_seconds, json=body)
+        sequences = []
+        for choice in sorted(reply["choices"], key=lambda c: c["index"]):
+            tokens = tuple(choice["token_ids"])
+            logprobs = tuple((choice.get("logprobs") or {}).get("token_logprobs") or ())
+            finish = "length" if choice["finish_reason"] == "length" else "stop"
+            sequences.append(SampledSequence(tokens, logprobs, finish))
+        return sequences

@@ -1,0 +1,363 @@
+"""Runs the model's Python in a fresh, limited child process per call (`python -m retool sandbox FILE` runs a
+file the same way and prints what the model would see)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import queue
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from retool.config.sandbox import SandboxConfig
+from retool.sandbox.isolation import (
+    DIE_WITH_PARENT,
+    UNSHARE,
+    WORKDIR_PREFIX,
+    Containment,
+    ForkServer,
+    child_environment,
+    empty_cgroup,
+    kill_group,
+    probe_containment,
+)
+
+log = logging.getLogger(__name__)
+RUNNER = Path(__file__).with_name("runner.py")
+FORK_SERVER = Path(__file__).with_name("forkserver.py")
+
+
+@dataclass(frozen=True)
+class ExecutionResult:
+    status: str  # ok | error | timeout
+    stdout: str  # tail of standard output
+    stderr: str  # tail of standard error (tracebacks land here)
+    seconds: float  # wall time of the call
+    exit_code: int | None  # the child's exit status; negative for a signal; None after a timeout
+
+
+@dataclass
+class SandboxStats:
+    calls: int = 0
+    ok: int = 0
+    error: int = 0
+    timeout: int = 0
+    total_seconds: float = 0.0
+    max_seconds: float = 0.0
+
+    def record(self, result: ExecutionResult) -> None:
+        self.calls += 1
+        setattr(self, result.status, getattr(self, result.status) + 1)
+        self.total_seconds += result.seconds
+        self.max_seconds = max(self.max_seconds, result.seconds)
+
+
+def _read_tail(path: Path, limit: int) -> str:
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        handle.seek(max(0, size - limit))
+        data = handle.read()
+    text = data.decode("utf-8", errors="replace")
+    return f"[... {size - limit} bytes truncated ...]\n{text}" if size > limit else text
+
+
+@dataclass(eq=False)  # a resource, compared by identity
+class Sandbox:
+    config: SandboxConfig = field(default_factory=SandboxConfig)
+    stats: SandboxStats = field(default_factory=SandboxStats)
+
+    def __post_init__(self) -> None:
+        self._slots = threading.BoundedSemaphore(self.config.max_workers)
+        self._stats_lock = threading.Lock()
+        self.containment = probe_containment() if self.config.contain else Containment(False, None)
+        # Fork servers, one per concurrent call; a server's timeouts rely on the pids cgroup.
+        self.prewarmed = (
+            self.config.prewarmed and self.containment.namespaces and self.containment.pids_cgroup is not None
+        )
+        self._servers: queue.SimpleQueue = queue.SimpleQueue()  # this process's idle servers
+        self._zygote: subprocess.Popen | None = None  # started by this process, or None
+        self._zygote_address: str | None = None  # where any process of the pipeline connects
+        self._zygote_lock = threading.Lock()
+        _SANDBOXES.add(self)
+
+    def prewarm(self) -> None:
+        """Starts the zygote now (it takes about a second): before Luigi forks its task processes,
+        so that all of them fork their servers from it."""
+        if self.prewarmed:
+            self._zygote_socket_address()
+
+    def _forget_inherited(self) -> None:
+        """In a forked child: the parent's servers and zygote input are not ours to use or keep
+        open (a server ends when every copy of its connection closes)."""
+        while True:
+            try:
+                self._servers.get_nowait().forget()
+            except queue.Empty:
+                break
+        if self._zygote is not None:
+            self._zygote.stdin.close()
+            self._zygote = None
+        self._zygote_lock = threading.Lock()
+
+    def run_code(self, code: str) -> ExecutionResult:
+        """Runs one call; safe to call from many threads (at most max_workers run at once)."""
+        with self._slots:
+            try:
+                result = self._run(code)
+            except Exception as error:  # the sandbox itself failed: only this call is affected
+                log.exception("sandbox call failed")
+                result = ExecutionResult(
+                    "error",
+                    "",
+                    f"SandboxError: the sandbox could not run this code ({type(error).__name__}: {error})\n",
+                    0.0,
+                    None,
+                )
+        with self._stats_lock:
+            self.stats.record(result)
+        return result
+
+    async def arun_code(self, code: str) -> ExecutionResult:
+        return await asyncio.to_thread(self.run_code, code)
+
+    def run_many(self, codes: Sequence[str]) -> list[ExecutionResult]:
+        """Runs calls concurrently; results come back in the order of `codes`."""
+        if not codes:
+            return []
+        with ThreadPoolExecutor(max_workers=min(len(codes), self.config.max_workers)) as pool:
+            return list(
+                tqdm(
+                    pool.map(self.run_code, codes),
+                    total=len(codes),
+                    desc="running tool calls",
+                    unit="call",
+                    leave=False,
+                    disable=None,
+                )
+            )
+
+    def _run(self, code: str) -> ExecutionResult:
+        config, containment = self.config, self.containment
+        workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
+        # A cold call gets a pids cgroup of its own; a warm one is born into its server's.
+        cgroup = (
+            containment.pids_cgroup / f"{os.getpid()}-{uuid.uuid4().hex}"
+            if containment.pids_cgroup and not self.prewarmed
+            else None
+        )
+        try:
+            code_file, out_file, err_file = (Path(workdir, name) for name in ("cell.py", ".stdout", ".stderr"))
+            code_file.write_text(code, encoding="utf-8")
+            out_file.touch()
+            err_file.touch()
+            if cgroup:
+                cgroup.mkdir()
+                (cgroup / "pids.max").write_text(str(config.max_processes))
+            settings = {
+                "code_file": str(code_file),
+                "workdir": workdir,
+                "contained": containment.namespaces,
+                "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup else None,
+                "cpu_seconds": config.cpu_limit,
+                "memory_bytes": config.memory_mb * 2**20,
+                "file_bytes": config.file_mb * 2**20,
+                "environment": child_environment(workdir),
+            }
+            settings_file = Path(workdir, ".settings.json")
+            settings_file.write_text(json.dumps(settings))
+            started = time.perf_counter()
+            try:
+                exit_code = (
+                    self._run_prewarmed(settings_file) if self.prewarmed else self._run_cold(settings_file, workdir)
+                )
+            finally:
+                if cgroup:
+                    empty_cgroup(cgroup)  # kills whatever is left, wherever it went
+            seconds = time.perf_counter() - started
+            exit_code = _child_status(Path(workdir, ".status"), exit_code)
+            output_limited = max(out_file.stat().st_size, err_file.stat().st_size) >= config.file_mb * 2**20
+            stdout_text = _read_tail(out_file, config.output_tail_bytes)
+            stderr_text = _read_tail(err_file, config.output_tail_bytes)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        status, note = _classify(exit_code, output_limited, config)
+        if note:
+            stderr_text = f"{stderr_text.rstrip(chr(10))}\n{note}\n".lstrip("\n")
+        return ExecutionResult(status, stdout_text, stderr_text, seconds, exit_code)
+
+    def _run_cold(self, settings_file: Path, workdir: str) -> int | None:
+        """A new interpreter for the call (in new namespaces when available); None after a timeout."""
+        argv = [
+            *DIE_WITH_PARENT,
+            *(UNSHARE if self.containment.namespaces else ()),
+            self.config.python,
+            "-I",
+            str(RUNNER),
+            str(settings_file),
+        ]
+        with open(Path(workdir, ".stdout"), "ab") as stdout, open(Path(workdir, ".stderr"), "ab") as stderr:
+            child = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                cwd=workdir,
+                env=child_environment(workdir),
+                close_fds=True,
+                start_new_session=True,
+            )
+            try:
+                return child.wait(timeout=self.config.timeout_seconds)
+            except subprocess.TimeoutExpired:
+                return None
+            finally:
+                kill_group(child)  # also reaps children the code left running
+
+    def _run_prewarmed(self, settings_file: Path) -> int | None:
+        """A child forked from a pre-warmed server, into the server's pids cgroup; after the call
+        (or its timeout) everything in that cgroup but the server is killed, wherever it went.
+        None after a timeout."""
+        try:
+            server = self._servers.get_nowait()
+        except queue.Empty:
+            server = self._start_server()
+        try:
+            server.send({"settings": str(settings_file)})
+            ready, _, _ = select.select([server.connection], [], [], self.config.timeout_seconds)
+            timed_out = not ready
+            while not ready:  # kill until the server reports the call over
+                empty_cgroup(server.cgroup, remove=False, spare=server.pid)
+                ready, _, _ = select.select([server.connection], [], [], 0.2)
+            exit_code = server.receive("done")
+            empty_cgroup(server.cgroup, remove=False, spare=server.pid)  # what the code left running
+        except Exception:
+            server.stop()
+            raise
+        self._servers.put(server)
+        return None if timed_out else exit_code
+
+    def _start_server(self) -> "ForkServer":
+        """A server forked from the zygote for this process, in a pids cgroup of its own."""
+        cgroup = self.containment.pids_cgroup / f"{os.getpid()}-server-{uuid.uuid4().hex}"
+        cgroup.mkdir()
+        (cgroup / "pids.max").write_text(str(self.config.max_processes + 1))  # the server, and one call
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server = ForkServer(connection, connection.makefile("rw", encoding="utf-8", newline="\n"), 0, cgroup)
+        try:
+            self._connect_to_zygote(connection)
+            server.send({"cgroup_procs": str(cgroup / "cgroup.procs")})
+            server.pid = server.receive("ready")
+        except Exception:
+            server.stop()
+            raise
+        return server
+
+    def _connect_to_zygote(self, connection: socket.socket) -> None:
+        address = self._zygote_socket_address()
+        try:
+            connection.connect(address)
+        except (ConnectionRefusedError, FileNotFoundError):  # the zygote ended (killed?): start another here
+            log.warning("the sandbox zygote is gone; starting a new one in process %d", os.getpid())
+            self._stop_zygote(address)
+            connection.connect(self._zygote_socket_address())
+
+    def _zygote_socket_address(self) -> str:
+        """Starts the zygote on first use (one per pipeline: forked processes inherit its address)."""
+        with self._zygote_lock:
+            if self._zygote_address is None:
+                # abstract: lives in this network namespace only
+                address = f"\0retool-sandbox-{os.getpid()}-{uuid.uuid4().hex}"
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+                    listener.bind(address)
+                    listener.listen(64)
+                    zygote = subprocess.Popen(
+                        [self.config.python, "-I", str(FORK_SERVER), str(listener.fileno())],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.DEVNULL,
+                        cwd="/",
+                        env=child_environment(tempfile.gettempdir()),
+                        close_fds=True,
+                        start_new_session=True,
+                        text=True,
+                        pass_fds=(listener.fileno(),),
+                    )
+                if zygote.stdout.readline() != "ready\n":
+                    kill_group(zygote)
+                    raise RuntimeError("the sandbox zygote did not start")
+                self._zygote, self._zygote_address = zygote, address
+            return self._zygote_address
+
+    def close(self) -> None:
+        """Stops this process's servers and the zygote it started (they also stop when this
+        process ends: their connections and input close)."""
+        while True:
+            try:
+                self._servers.get_nowait().stop()
+            except queue.Empty:
+                break
+        self._stop_zygote()
+
+    def _stop_zygote(self, address: str | None = None) -> None:
+        """Stops the zygote this process started (if any) and forgets its address; with `address`,
+        only if that is still the current one (another thread may have replaced it already)."""
+        with self._zygote_lock:
+            if address is not None and address != self._zygote_address:
+                return
+            if self._zygote is not None:
+                kill_group(self._zygote)
+            self._zygote, self._zygote_address = None, None
+
+    def observation(self, result: ExecutionResult) -> str:
+        """The text of one call's tool message, before the protocol neutralises its special tokens."""
+        parts = [part.rstrip("\n") for part in (result.stdout, result.stderr) if part.strip()]
+        return "\n".join(parts) if parts else "(no output)"
+
+
+def _classify(exit_code: int | None, output_limited: bool, config: SandboxConfig) -> tuple[str, str]:
+    """Status and an explanatory last line for the observation, from how the child ended."""
+    if exit_code is None:
+        return "timeout", f"TimeoutError: execution exceeded the wall-clock limit of {config.timeout_seconds:g} s"
+    if exit_code == -signal.SIGXCPU:
+        return "timeout", f"TimeoutError: execution exceeded the CPU limit of {config.cpu_limit} s"
+    if output_limited:
+        return "error", f"OutputLimitError: output exceeded {config.file_mb} MB and was cut off"
+    if exit_code < 0:
+        return "error", f"Process killed by signal {signal.Signals(-exit_code).name}"
+    return ("ok", "") if exit_code == 0 else ("error", "")
+
+
+def _child_status(status_file: Path, exit_code: int | None) -> int | None:
+    """How the code's process ended, as the runner recorded it (negative for a signal); the
+    runner's own exit code when it recorded nothing (None after a timeout stays None)."""
+    if exit_code is None or not status_file.exists():
+        return exit_code
+    ended = json.loads(status_file.read_text())
+    return -ended["signal"] if "signal" in ended else ended["exit"]
+
+
+_SANDBOXES: "weakref.WeakSet[Sandbox]" = weakref.WeakSet()
+
+
+def _forget_inherited_servers() -> None:
+    for sandbox in list(_SANDBOXES):
+        sandbox._forget_inherited()
+
+
+os.register_at_fork(after_in_child=_forget_inherited_servers)

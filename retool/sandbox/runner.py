@@ -1,0 +1,193 @@
+"""Runs inside the sandbox child: contains itself, applies limits, then executes the model's code as a
+notebook cell.
+
+Usage (by retool.sandbox.call only): python -I runner.py SETTINGS_JSON
+It imports nothing from the project, so it works in an isolated interpreter. When retool.sandbox.call
+started it in fresh network, PID and mount namespaces (as root), it first joins its pids cgroup,
+turns every mount read-only except its working directory, and drops all capabilities, so the code
+can neither undo that nor reach outside.
+"""
+
+import ast
+import ctypes
+import errno
+import json
+import linecache
+import os
+import resource
+import sys
+import traceback
+
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC = 1, 32, 4096, 16384
+PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 24, 38
+CAPABILITY_VERSION_3 = 0x20080522
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def join_cgroup(procs_file: str) -> None:
+    with open(procs_file, "w") as handle:
+        handle.write(str(os.getpid()))
+
+
+def make_mounts_read_only(writable: str) -> None:
+    """Every mount becomes read-only in this (private) mount namespace, but a bind of `writable`."""
+    libc = _libc()
+    if libc.mount(writable.encode(), writable.encode(), None, MS_BIND | MS_REC, None) != 0:
+        raise OSError(ctypes.get_errno(), f"cannot bind {writable}")
+    os.chdir(writable)  # the old working directory still points into the mount below the bind
+    with open("/proc/self/mountinfo") as handle:
+        targets = [line.split()[4] for line in handle]
+    for target in targets:
+        if target != writable:
+            libc.mount(None, target.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None)  # some refuse: fine
+
+
+def drop_capabilities() -> None:
+    libc = _libc()
+    for capability in range(64):
+        libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0)
+    header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)
+    empty = (ctypes.c_uint32 * 6)()
+    if libc.capset(header, empty) != 0:
+        raise OSError(ctypes.get_errno(), "cannot drop capabilities")
+    libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+
+
+def apply_limits(cpu_seconds: int, memory_bytes: int, file_bytes: int) -> None:
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_seconds, cpu_seconds + 1))
+    if memory_bytes > 0:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+
+def with_trailing_print(tree: ast.Module) -> ast.Module:
+    """Prints the value of a trailing expression, as a notebook cell does (None prints nothing)."""
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = tree.body[-1]
+        value = ast.Name(id="__retool_value__", ctx=ast.Load())
+        tree.body[-1:] = [
+            ast.Assign(targets=[ast.Name(id="__retool_value__", ctx=ast.Store())], value=last.value),
+            ast.If(
+                test=ast.Compare(left=value, ops=[ast.IsNot()], comparators=[ast.Constant(None)]),
+                body=[
+                    ast.Expr(
+                        ast.Call(
+                            ast.Name("print", ast.Load()), [ast.Call(ast.Name("repr", ast.Load()), [value], [])], []
+                        )
+                    )
+                ],
+                orelse=[],
+            ),
+        ]
+        for node in tree.body[-2:]:
+            ast.copy_location(node, last)
+            ast.fix_missing_locations(node)
+    return tree
+
+
+def main() -> int:
+    """Contains the process, then runs the cell in a child and records how that child ended in
+    .status (the first process of a PID namespace cannot be killed by a signal from inside it, and
+    unshare does not pass signals on)."""
+    with open(sys.argv[1], encoding="utf-8") as handle:
+        settings = json.load(handle)
+    if settings["cgroup_procs"]:
+        join_cgroup(settings["cgroup_procs"])
+    if settings["contained"]:
+        make_mounts_read_only(settings["workdir"])
+        drop_capabilities()
+    return run_contained(settings)
+
+
+def run_contained(settings: dict) -> int:
+    """Runs the cell in a child and records how that child ended in .status; returns its exit code."""
+    child = os.fork()
+    if child == 0:
+        if settings["contained"]:
+            os.setsid()  # a group of its own: killpg(0) in the code reaches only the code's processes
+        redirect_output(settings["workdir"])
+        os._exit(run_cell(settings))
+    _, status = os.waitpid(child, 0)
+    ended = {"signal": os.WTERMSIG(status)} if os.WIFSIGNALED(status) else {"exit": os.WEXITSTATUS(status)}
+    with open(os.path.join(settings["workdir"], ".status"), "w") as handle:
+        json.dump(ended, handle)
+    return ended.get("exit", 1)
+
+
+def redirect_output(workdir: str) -> None:
+    """Standard input from /dev/null, output appended to the call's .stdout and .stderr files."""
+    opened = [os.open(os.devnull, os.O_RDONLY)]
+    opened += [
+        os.open(os.path.join(workdir, name), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        for name in (".stdout", ".stderr")
+    ]
+    for fd, source in enumerate(opened):
+        os.dup2(source, fd)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX"))  # the code inherits nothing else
+
+
+def run_cell(settings: dict) -> int:
+    apply_limits(settings["cpu_seconds"], settings["memory_bytes"], settings["file_bytes"])
+    sys.stdout.reconfigure(errors="backslashreplace")
+    sys.stderr.reconfigure(errors="backslashreplace")
+    with open(settings["code_file"], encoding="utf-8") as handle:
+        source = handle.read()
+    linecache.cache["<code>"] = (
+        len(source),
+        None,
+        source.splitlines(keepends=True),
+        "<code>",
+    )  # source lines in tracebacks
+    try:
+        tree = with_trailing_print(ast.parse(source, filename="<code>"))
+    except SyntaxError as error:
+        traceback.print_exception(type(error), error, None)
+        return 1
+    del sys.argv[1:]
+    exit_code = execute(tree)
+    return exit_code if flush_streams() else exit_code or 1
+
+
+def execute(tree: ast.Module) -> int:
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    try:
+        exec(compile(tree, "<code>", "exec"), namespace)
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+    except BaseException as error:  # the traceback is the observation; skip this runner's own frame
+        traceback.print_exception(type(error), error, error.__traceback__.tb_next)
+        return 1
+    return 0
+
+
+def flush_streams() -> bool:
+    """Flushes by hand (os._exit follows); says so on stderr when the code closed a stream."""
+    flushed = True
+    for name, stream in (("output", sys.stdout), ("error", sys.stderr)):
+        try:
+            stream.flush()
+        except (OSError, ValueError) as error:
+            flushed = False
+            if getattr(error, "errno", None) == errno.EFBIG:  # the output cap (RLIMIT_FSIZE), not a closed stream
+                message = (
+                    f"OutputLimitError: the code printed more than the sandbox keeps; the rest of its {name} is lost"
+                )
+            else:
+                message = f"OSError: the code closed its standard {name}; what it printed there is lost ({error})"
+            try:
+                os.write(2, (message + "\n").encode())
+            except OSError:
+                pass
+    return flushed
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Checkpoints on disk: written whole beside their place and renamed (a killed write leaves nothing
+that looks complete), with the random state that makes a resumed run equal an uninterrupted one, and
+pruned to the retention policy."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from retool.config.trainer import TrainerConfig
+from retool.training.record import StepMetrics
+
+
+def save_rng(path: Path) -> None:
+    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}, path)
+
+
+def restore_rng(path: Path) -> None:
+    if path.exists():
+        state = torch.load(path, weights_only=False)
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+
+
+def save_checkpoint(
+    folder: Path,
+    model,
+    optimizer,
+    metrics: StepMetrics,
+    config: TrainerConfig,
+    tokenizer_source: Path,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Writes the whole checkpoint beside its final place, marks it _SUCCESS, then renames it: a
+    killed write leaves no folder that looks complete. A PEFT model saves its adapter, any other
+    model its full weights with the tokenizer; `extra` adds JSON files."""
+    for stale in folder.parent.glob(f".{folder.name}.tmp-*"):  # left by a writer that was killed
+        shutil.rmtree(stale, ignore_errors=True)
+    temporary = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    temporary.mkdir(parents=True)
+    for name, value in (extra or {}).items():
+        (temporary / name).write_text(json.dumps(value, indent=1) + "\n")
+    if hasattr(model, "peft_config"):
+        model.save_pretrained(temporary / "adapter")
+    else:
+        model.save_pretrained(temporary / "model")
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "chat_template.jinja",
+            "generation_config.json",
+        ):
+            if (tokenizer_source / name).exists():
+                shutil.copy(tokenizer_source / name, temporary / "model" / name)
+    torch.save(optimizer.state_dict(), temporary / "optimizer.pt")
+    save_rng(temporary / "rng.pt")
+    (temporary / "metrics.json").write_text(json.dumps(asdict(metrics), indent=2) + "\n")
+    (temporary / "trainer_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
+    (temporary / "_SUCCESS").write_text("")
+    if folder.exists():
+        shutil.rmtree(folder)  # an incomplete or stale checkpoint from an earlier attempt
+    temporary.rename(folder)
+
+
+def prune_checkpoints(checkpoints: list[tuple[int, Path]], keep_last: int, keep_every: int) -> list[Path]:
+    """Drops the weights and optimizer state of old checkpoints (metrics and _SUCCESS stay): keeps
+    the newest `keep_last`, and every step divisible by `keep_every` (0 = none). Returns what it pruned."""
+    pruned = []
+    ordered = sorted(checkpoints)
+    for step, folder in ordered[: max(0, len(ordered) - keep_last)]:
+        if keep_every and step % keep_every == 0:
+            continue
+        for name in ("adapter", "model", "optimizer.pt", "rng.pt"):
+            target = folder / name
+            if target.is_dir():
+                shutil.rmtree(target)
+                pruned.append(target)
+            elif target.exists():
+                target.unlink()
+                pruned.append(target)
+    return pruned

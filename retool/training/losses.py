@@ -1,0 +1,85 @@
+"""Per-token quantities of the policy: the logprob of each target, the entropy of the distribution it was
+drawn from, and the loss of each objective (PPO-clip on sampled tokens, or the negative log-likelihood)."""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint
+
+from retool.config.trainer import TrainerConfig
+
+
+def _target_logprobs_and_entropy(
+    lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logprobs = torch.log_softmax(lm_head(hidden).float(), dim=-1)
+    with torch.no_grad():  # a diagnostic: no gradient flows through the entropy
+        entropy = -(logprobs.exp() * logprobs).sum(-1)
+    return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
+
+
+def token_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    targets: torch.Tensor,
+    where: torch.Tensor | None = None,
+    chunk_tokens: int = 1024,
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Logprob of each target (and, `with_entropy`, the entropy of the next-token distribution there);
+    with `where`, only at those positions (0 elsewhere): the output layer and its softmax over the whole
+    vocabulary then run on the loss tokens alone, which on a small model is most of the step's cost,
+    `chunk_tokens` at a time. Under autograd each chunk's logits are recomputed in the backward pass rather
+    than kept, so no [loss tokens x vocabulary] tensor of a whole micro-batch is ever alive (a 248k
+    vocabulary makes that gigabytes)."""
+    if where is None:
+        where = torch.ones_like(targets, dtype=torch.bool)
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT injects LoRA in place
+    hidden = causal_lm.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    hidden, chosen = hidden[where], targets[where]
+    logprob_pieces, entropy_pieces = [], []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        chunk = (causal_lm.lm_head, hidden[start : start + chunk_tokens], chosen[start : start + chunk_tokens])
+        if torch.is_grad_enabled():
+            logprobs, entropy = torch.utils.checkpoint.checkpoint(
+                _target_logprobs_and_entropy, *chunk, use_reentrant=False
+            )
+        else:
+            logprobs, entropy = _target_logprobs_and_entropy(*chunk)
+        logprob_pieces.append(logprobs)
+        entropy_pieces.append(entropy)
+
+    def scattered(pieces: list[torch.Tensor]) -> torch.Tensor:
+        selected = torch.cat(pieces) if pieces else hidden.new_zeros(0, dtype=torch.float32)
+        return torch.zeros(targets.shape, dtype=selected.dtype, device=selected.device).masked_scatter(where, selected)
+
+    logprobs = scattered(logprob_pieces)
+    return (logprobs, scattered(entropy_pieces)) if with_entropy else logprobs
+
+
+def ppo_token_loss(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, config: TrainerConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token clipped surrogate loss and where clipping was active. With TIS, the ratio is taken
+    against the trainer's own (detached) logprobs and each token is reweighted by the capped
+    trainer/sampler ratio, correcting for the sampler's numerical drift."""
+    if config.tis_cap > 0:
+        ratio = torch.exp(logprobs - logprobs.detach())
+        correction = torch.clamp(torch.exp(logprobs.detach() - old_logprobs), max=config.tis_cap)
+    else:
+        ratio = torch.exp(logprobs - old_logprobs)
+        correction = torch.ones_like(ratio)
+    clipped_ratio = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
+    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages) * correction
+    clipped = (ratio * advantages > clipped_ratio * advantages).detach()
+    return loss, clipped
+
+
+def token_loss(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, config: TrainerConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss of the configured objective, and where PPO clipping was active."""
+    if config.objective == "sft":
+        return -logprobs, torch.zeros_like(logprobs, dtype=torch.bool)
+    return ppo_token_loss(logprobs, old_logprobs, advantages, config)

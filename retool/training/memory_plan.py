@@ -1,0 +1,105 @@
+"""What one training step needs on the GPU, estimated before the model is loaded: the weights, the
+trainable state, the activations of one micro-batch and the output layer's logits chunk, against
+the memory free beside the sampler. A step that cannot fit is refused with the setting to change."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from retool.config.trainer import TrainerConfig, resolved_dtype
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+ALLOCATOR_MARGIN = 1.10  # the caching allocator's fragmentation and the kernels' workspaces
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    parameters: int  # every weight of the model
+    lora_parameters: int  # the weights a LoRA of rank 1 adds to every linear layer but the output layer
+    layers: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weights: int  # bytes of the model's weights in the training dtype
+    trainable_state: int  # the trained weights' gradients and Adam moments (and LoRA's own weights)
+    activations: int  # of one micro-batch, at the peak of its backward pass
+    logits: int  # one chunk of output-layer logits, their softmax and its gradient, in float32
+
+    @property
+    def total(self) -> int:
+        return int((self.weights + self.trainable_state + self.activations + self.logits) * ALLOCATOR_MARGIN)
+
+    def describe(self) -> str:
+        parts = ("weights", "trainable_state", "activations", "logits")
+        return f"{self.total / GIB:.1f} GiB (" + ", ".join(f"{p} {getattr(self, p) / GIB:.1f}" for p in parts) + ")"
+
+
+def model_shape(model_dir: Path) -> ModelShape:
+    """The shape of a model folder's architecture (no weights are read)."""
+    from transformers import AutoConfig
+
+    return shape_of(AutoConfig.from_pretrained(str(model_dir)))
+
+
+def shape_of(config) -> ModelShape:
+    """The shape of the causal LM a transformers config describes, counted on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    output_layer = model.get_output_embeddings()
+    lora = sum(
+        module.in_features + module.out_features
+        for module in model.modules()
+        if isinstance(module, torch.nn.Linear) and module is not output_layer
+    )
+    text = getattr(config, "text_config", config)
+    return ModelShape(
+        parameters=sum(p.numel() for p in model.parameters()),
+        lora_parameters=lora,
+        layers=text.num_hidden_layers,
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        vocab_size=text.vocab_size,
+    )
+
+
+def plan_step(shape: ModelShape, config: TrainerConfig, device: str) -> MemoryPlan:
+    """The estimate for one micro-batch of `micro_batch_tokens` (padding included) under `config`."""
+    size = DTYPE_BYTES[resolved_dtype(config.dtype, device)]
+    if config.lora_rank:
+        # PEFT keeps adapter weights in float32: weight, gradient and two Adam moments.
+        trainable = shape.lora_parameters * config.lora_rank * 4 * 4
+    else:
+        trainable = shape.parameters * size * 3  # gradient and two Adam moments in the weights' dtype
+    tokens = config.micro_batch_tokens
+    # One layer's forward and backward intermediates: attention projections and output, the MLP's gate,
+    # up and product, norms, and their gradients (about twice the forward's).
+    one_layer = 2 * tokens * size * (6 * shape.hidden_size + 4 * shape.intermediate_size)
+    if config.gradient_checkpointing:
+        activations = shape.layers * tokens * shape.hidden_size * size + one_layer  # saved inputs, one recomputed
+    else:
+        activations = shape.layers * one_layer
+    logits = 3 * min(config.logprob_chunk_tokens, tokens) * shape.vocab_size * 4
+    return MemoryPlan(shape.parameters * size, trainable, activations, logits)
+
+
+class MemoryPlanError(RuntimeError):
+    """A training step would not fit in the GPU memory that is free."""
+
+
+def check_plan(plan: MemoryPlan, free_bytes: int) -> None:
+    if plan.total > free_bytes:
+        raise MemoryPlanError(
+            f"one training step needs about {plan.describe()}, but {free_bytes / GIB:.1f} GiB of GPU memory is "
+            "free: lower [trainer] micro_batch_tokens (activations) or logprob_chunk_tokens (logits), keep "
+            "gradient_checkpointing on, train a LoRA (lora_rank > 0) rather than every weight, or give the "
+            "sampler less with [sampler] gpu_memory_utilization"
+        )

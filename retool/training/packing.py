@@ -1,0 +1,56 @@
+"""Micro-batches for the trainer: first-fit-decreasing packing, and per-token loss weights that
+make accumulated micro-batch gradients equal the gradient of the step's global mean loss."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from retool.config.trainer import LOSS_AGGREGATIONS
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    indices: tuple[int, ...]  # datum positions in this micro-batch
+    width: int  # longest datum: every row is padded to it
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.width * len(self.indices)
+
+
+def pack_micro_batches(lengths: Sequence[int], max_items: int, max_padded_tokens: int) -> list[MicroBatch]:
+    """First-fit decreasing: longest first, each into the first batch where it still fits both
+    bounds (rows padded to the batch's longest). A datum longer than the token bound gets its own."""
+    if max_items <= 0 or max_padded_tokens <= 0:
+        raise ValueError(
+            f"micro-batch bounds must be positive, got max_items={max_items}, max_padded_tokens={max_padded_tokens}"
+        )
+    bins: list[list[int]] = []
+    widths: list[int] = []
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for number, members in enumerate(bins):
+            width = max(widths[number], lengths[index])
+            if len(members) < max_items and width * (len(members) + 1) <= max_padded_tokens:
+                members.append(index)
+                widths[number] = width
+                break
+        else:
+            bins.append([index])
+            widths.append(lengths[index])
+    return [MicroBatch(tuple(members), width) for members, width in zip(bins, widths)]
+
+
+def loss_token_weights(loss_token_counts: Sequence[int], aggregation: str, num_samples: int) -> list[float]:
+    """The weight of each loss token of each datum, so that the sum of weight x token loss over all
+    micro-batches is the step's loss:
+      sample_mean  mean over samples of each sample's mean token loss (the reference's choice);
+      token_mean   mean over every loss token of the step.
+    `num_samples` is the denominator of sample_mean: all trajectories of the step, or only those with
+    a learning signal when zero-variance groups are filtered."""
+    if aggregation == "sample_mean":
+        return [1.0 / (num_samples * count) if count else 0.0 for count in loss_token_counts]
+    if aggregation == "token_mean":
+        total = sum(loss_token_counts)
+        return [1.0 / total if total else 0.0 for _ in loss_token_counts]
+    raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {aggregation!r}")

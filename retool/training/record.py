@@ -1,0 +1,29 @@
+"""The record of one training step, as the trainer returns it and metrics.json keeps it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    datums: int
+    trajectories: int  # trajectories of the step, datums or not
+    zero_variance_groups: int  # questions whose group got equal rewards (no learning signal)
+    updates: int  # optimizer steps taken
+    loss_tokens: int  # sampled tokens the loss saw
+    tokens: int  # real tokens of all datums
+    padded_tokens: int  # tokens processed, padding included
+    micro_batches: int
+    loss: float
+    grad_norm: float
+    clip_fraction: float  # loss tokens where the clip was active, over every update
+    logprob_gap: float  # mean |trainer logprob - sampler logprob| on loss tokens
+    kl_sampler_trainer: float  # k3 estimate of KL(sampler || trainer) on loss tokens
+    entropy: float  # mean entropy (nats) of the policy's next-token distribution on loss tokens, before the update
+    kl_k1: float  # KL(policy before || after the update), k1 estimate on the loss tokens (PPO only)
+    kl_k3: float  # the same KL, k3 estimate (never negative)
+    ratio_outside_clip: float  # loss tokens whose ratio after/before the update left the clip range (PPO only)
+    seconds: float
+    tokens_per_second: float
+    skipped: bool  # no datum: no optimizer step was taken

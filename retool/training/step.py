@@ -1,0 +1,339 @@
+"""One training step, PPO or supervised (the cold start): the policy (base model + LoRA, or full
+fine-tune), the clipped loss on sampled tokens (or the negative log-likelihood), gradient
+accumulation over micro-batches, data parallel over torch.distributed, checkpoints.
+
+`torchrun --nproc-per-node K -m retool.cli.train ...` trains one step on K processes (gloo on CPU, NCCL on
+GPU); each process takes every K-th micro-batch and gradients are summed before the optimizer step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from retool.config.trainer import TrainerConfig, resolved_dtype
+from retool.rollout.datums import Datum
+from retool.training.checkpoints import restore_rng, save_checkpoint
+from retool.training.losses import token_logprobs, token_loss
+from retool.training.memory_plan import check_plan, model_shape, plan_step
+from retool.training.packing import MicroBatch, loss_token_weights, pack_micro_batches
+from retool.training.record import StepMetrics
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def load_policy(base_model: Path, previous: Path | None, config: TrainerConfig, device: str = "cpu"):
+    """The trainable model and its Adam optimizer, restored from the previous checkpoint if any."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, resolved_dtype(config.dtype, device))
+    weights = previous / "model" if previous is not None and config.lora_rank == 0 else base_model
+    model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=dtype).to(device)
+    return prepare_policy(model, previous, config, device)
+
+
+def prepare_policy(model, previous: Path | None, config: TrainerConfig, device: str = "cpu"):
+    """A loaded model made trainable (no KV cache, checkpointing, LoRA) with its Adam optimizer."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    model.config.use_cache = False  # training never decodes: no KV cache
+    if config.gradient_checkpointing:  # activations of each layer recomputed in the backward pass
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.lora_rank:
+        if previous is not None:
+            model = PeftModel.from_pretrained(model, str(previous / "adapter"), is_trainable=True)
+        else:
+            torch.manual_seed(config.seed)  # LoRA's A matrices start random
+            lora = LoraConfig(
+                r=config.lora_rank,
+                lora_alpha=config.lora_alpha,
+                lora_dropout=0.0,
+                target_modules="all-linear",
+                task_type="CAUSAL_LM",
+            )
+            model = get_peft_model(model, lora)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(parameters, lr=config.learning_rate, betas=(config.beta1, config.beta2))
+    if previous is not None:
+        optimizer.load_state_dict(torch.load(previous / "optimizer.pt", map_location=device, weights_only=True))
+        restore_rng(previous / "rng.pt")
+    return model, optimizer
+
+
+def _micro_batch_tensors(
+    datums: list[Datum], batch: MicroBatch, weights: list[float], device: str
+) -> dict[str, torch.Tensor]:
+    """Right-padded rows; padding has mask 0 and weight 0, so it never reaches the loss."""
+    rows = [datums[i] for i in batch.indices]
+    width = batch.width
+
+    def padded(values, fill, dtype):
+        return torch.tensor([list(v) + [fill] * (width - len(v)) for v in values], dtype=dtype, device=device)
+
+    return {
+        "input_ids": padded([d.input_tokens for d in rows], 0, torch.long),
+        "attention_mask": padded([[1] * d.num_tokens for d in rows], 0, torch.long),
+        "targets": padded([d.target_tokens for d in rows], 0, torch.long),
+        "loss_mask": padded([d.loss_mask for d in rows], False, torch.bool),
+        "old_logprobs": padded([d.old_logprobs for d in rows], 0.0, torch.float32),
+        "advantages": padded([d.advantages for d in rows], 0.0, torch.float32),
+        "weights": padded(
+            [[weights[i] if m else 0.0 for m in datums[i].loss_mask] for i in batch.indices], 0.0, torch.float32
+        ),
+    }
+
+
+@dataclass
+class PolicyPass:
+    """What one pass over this process's micro-batches saw on their loss tokens, micro-batch by micro-batch."""
+
+    logprobs: list[torch.Tensor]  # the policy's logprob of each loss token (detached)
+    entropies: list[torch.Tensor]  # the entropy of its next-token distribution there
+    sampler_logprobs: list[torch.Tensor]  # the sampler's logprob of the same tokens
+    loss: float = 0.0  # weighted loss summed over the pass (gradient passes only)
+    clipped: int = 0  # loss tokens where the PPO clip was active (gradient passes only)
+
+
+def policy_pass(
+    model,
+    datums: list[Datum],
+    batches: list[MicroBatch],
+    config: TrainerConfig,
+    device: str = "cpu",
+    weights: list[float] | None = None,
+) -> PolicyPass:
+    """One pass over this process's share of the micro-batches. With `weights` it backpropagates the
+    loss (gradients add up in .grad); without, it only measures, under no_grad."""
+    rank, world = _rank_and_world()
+    seen = PolicyPass([], [], [])
+    for batch in batches[rank::world]:
+        tensors = _micro_batch_tensors(datums, batch, weights or [0.0] * len(datums), device)
+        mask = tensors["loss_mask"]
+        autocast = torch.autocast(torch.device(device).type, torch.bfloat16, enabled=config.autocast_bfloat16)
+        with torch.set_grad_enabled(weights is not None), autocast:
+            logprobs, entropy = token_logprobs(
+                model,
+                tensors["input_ids"],
+                tensors["attention_mask"],
+                tensors["targets"],
+                mask,
+                config.logprob_chunk_tokens,
+                with_entropy=True,
+            )
+            if weights is not None:
+                loss, clipped = token_loss(logprobs, tensors["old_logprobs"], tensors["advantages"], config)
+                (loss * tensors["weights"]).sum().backward()
+                seen.loss += float((loss.detach() * tensors["weights"]).sum())
+                seen.clipped += int(clipped[mask].sum())
+        seen.logprobs.append(logprobs.detach()[mask])
+        seen.entropies.append(entropy[mask])
+        seen.sampler_logprobs.append(tensors["old_logprobs"][mask])
+    return seen
+
+
+def accumulate_gradients(
+    model,
+    datums: list[Datum],
+    batches: list[MicroBatch],
+    weights: list[float],
+    config: TrainerConfig,
+    device: str = "cpu",
+) -> PolicyPass:
+    """Backward over this process's share of the micro-batches; gradients add up in .grad."""
+    return policy_pass(model, datums, batches, config, device, weights)
+
+
+def _summed_over_processes(sums: dict[str, float], device: str) -> dict[str, float]:
+    """Each process measured its own micro-batches: the step's figures are the sums over all of them."""
+    if _rank_and_world()[1] == 1:
+        return sums
+    values = torch.tensor(list(sums.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.SUM)
+    return dict(zip(sums, values.tolist()))
+
+
+def drift_sums(before: PolicyPass, after: PolicyPass | None, config: TrainerConfig) -> dict[str, float]:
+    """Sums over loss tokens of the step's diagnostics. Sampler vs trainer before the update: |gap| and
+    the k3 estimate of KL(sampler || trainer). Before vs after the update, on tokens drawn from the policy
+    before it: the k1 and k3 estimates of KL(before || after), and the tokens whose ratio after/before
+    left the clip range."""
+    old = torch.cat(before.logprobs) if before.logprobs else torch.zeros(0)
+    sampler = torch.cat(before.sampler_logprobs) if before.logprobs else torch.zeros(0)
+    gap = old - sampler if config.objective == "ppo" else torch.zeros_like(old)  # supervised data has no sampler
+    sums = {
+        "tokens": float(old.numel()),
+        "entropy": float(torch.cat(before.entropies).sum()) if before.entropies else 0.0,
+        "gap": float(gap.abs().sum()),
+        "kl_sampler": float((torch.exp(gap) - 1 - gap).sum()),
+        "kl_k1": 0.0,
+        "kl_k3": 0.0,
+        "outside_clip": 0.0,
+    }
+    if after is not None and after.logprobs:
+        log_ratio = torch.cat(after.logprobs) - old  # log pi_after / pi_before
+        ratio = torch.exp(log_ratio)
+        sums["kl_k1"] = float(-log_ratio.sum())
+        sums["kl_k3"] = float((ratio - 1 - log_ratio).sum())
+        sums["outside_clip"] = float(((ratio < 1 - config.clip_low) | (ratio > 1 + config.clip_high)).sum())
+    return sums
+
+
+def mini_batches(num_datums: int, count: int) -> list[list[int]]:
+    """The datums of each PPO mini-batch: every `count`-th, so that each mixes the step's groups."""
+    return [members for m in range(count) if (members := list(range(m, num_datums, count)))]
+
+
+def _update(model, optimizer, parameters, chosen, config, num_samples, device) -> tuple[PolicyPass, float]:
+    """One optimizer step on the `chosen` datums; what its gradient pass saw, and the gradient norm."""
+    batches = pack_micro_batches([d.num_tokens for d in chosen], config.micro_batch_items, config.micro_batch_tokens)
+    weights = loss_token_weights([d.loss_tokens for d in chosen], config.loss_aggregation, num_samples)
+    optimizer.zero_grad(set_to_none=True)
+    seen = accumulate_gradients(model, chosen, batches, weights, config, device)
+    if _rank_and_world()[1] > 1:
+        for parameter in parameters:
+            if parameter.grad is None:  # this process had no micro-batch
+                parameter.grad = torch.zeros_like(parameter)
+            dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return seen, grad_norm
+
+
+def train_step(
+    model,
+    optimizer,
+    datums: list[Datum],
+    config: TrainerConfig,
+    num_trajectories: int,
+    device: str = "cpu",
+    zero_variance_groups: int = 0,
+) -> StepMetrics:
+    """`ppo_epochs` x `ppo_mini_batches` optimizer steps over a training step's datums (none if there are
+    none), then, for PPO, a no-grad pass of the updated weights that measures how far the policy moved."""
+    started = time.perf_counter()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    model.train()
+    groups = mini_batches(len(datums), config.ppo_mini_batches)
+    whole = pack_micro_batches([d.num_tokens for d in datums], config.micro_batch_items, config.micro_batch_tokens)
+    # A single update sees the policy it starts from in its own gradient pass; several need a pass before them.
+    single = len(groups) * config.ppo_epochs == 1
+    before = None if single or not datums else policy_pass(model, datums, whole, config, device)
+    samples = max(len(datums) if config.filter_zero_variance_groups else num_trajectories, 1)
+    loss, clipped, grad_norms = 0.0, 0, []
+    for _ in range(config.ppo_epochs):
+        for members in groups:
+            share = samples * len(members) / len(datums)  # sample_mean's denominator: this mini-batch's part
+            seen, grad_norm = _update(model, optimizer, parameters, [datums[i] for i in members], config, share, device)
+            before = before or seen
+            loss, clipped = loss + seen.loss / (len(groups) * config.ppo_epochs), clipped + seen.clipped
+            grad_norms.append(grad_norm)
+    after = policy_pass(model, datums, whole, config, device) if config.objective == "ppo" and datums else None
+    sums = _summed_over_processes(
+        {"loss": loss, "clipped": clipped, **drift_sums(before or PolicyPass([], [], []), after, config)}, device
+    )
+    seconds = time.perf_counter() - started
+    tokens, real_tokens = max(sums["tokens"], 1.0), sum(d.num_tokens for d in datums)
+    return StepMetrics(
+        datums=len(datums),
+        trajectories=num_trajectories,
+        zero_variance_groups=zero_variance_groups,
+        updates=len(grad_norms),
+        loss_tokens=int(sums["tokens"]),
+        tokens=real_tokens,
+        padded_tokens=sum(b.padded_tokens for b in whole),
+        micro_batches=len(whole),
+        loss=sums["loss"],
+        grad_norm=sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
+        clip_fraction=sums["clipped"] / (tokens * config.ppo_epochs),
+        logprob_gap=sums["gap"] / tokens,
+        kl_sampler_trainer=sums["kl_sampler"] / tokens,
+        entropy=sums["entropy"] / tokens,
+        kl_k1=sums["kl_k1"] / tokens,
+        kl_k3=sums["kl_k3"] / tokens,
+        ratio_outside_clip=sums["outside_clip"] / tokens,
+        seconds=seconds,
+        tokens_per_second=real_tokens / seconds if seconds > 0 else 0.0,
+        skipped=not datums,
+    )
+
+
+# -- one step from files, in-process or under torchrun ------------------------------------------------
+
+
+def train_from_files(
+    base_model: Path,
+    datums: list[Datum],
+    num_trajectories: int,
+    previous: Path | None,
+    out: Path,
+    config: TrainerConfig,
+    device: str = "cpu",
+    zero_variance_groups: int = 0,
+) -> StepMetrics:
+    if previous is None:
+        set_seed(config.seed)
+    if device.startswith("cuda"):
+        plan = plan_step(model_shape(base_model), config, device)
+        print(f"memory plan of the training step: {plan.describe()}", flush=True)
+        check_plan(plan, torch.cuda.mem_get_info()[0])
+    model, optimizer = load_policy(base_model, previous, config, device)
+    try:
+        metrics = train_step(model, optimizer, datums, config, num_trajectories, device, zero_variance_groups)
+        check_policy_sync(metrics, config, previous or base_model)
+        if _rank_and_world()[0] == 0:
+            save_checkpoint(out, model, optimizer, metrics, config, base_model)
+    finally:
+        del model, optimizer
+        release_memory(device)
+    return metrics
+
+
+def release_memory(device: str) -> None:
+    """After training, the sampler in this process gets the memory back: CUDA's cached blocks, or on a CPU
+    the heap that glibc keeps for reuse once tensors are freed (gigabytes after a training step)."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
+        pass
+
+
+class PolicySyncError(RuntimeError):
+    """The sampler's logprobs are not the trained policy's: it sampled from other weights."""
+
+
+def check_policy_sync(metrics: StepMetrics, config: TrainerConfig, policy: Path) -> None:
+    """Before anything is saved: the trainer's logprobs of the sampled tokens, under the policy the
+    sampler was given, must match the sampler's own within `max_sampler_gap` (mean absolute gap)."""
+    if config.objective != "ppo" or not config.max_sampler_gap or not metrics.loss_tokens:
+        return
+    if metrics.logprob_gap > config.max_sampler_gap:
+        raise PolicySyncError(
+            f"the sampler does not serve the trained policy {policy}: its logprobs of the {metrics.loss_tokens} "
+            f"sampled tokens differ from the trainer's by {metrics.logprob_gap:.3g} on average "
+            f"(KL {metrics.kl_sampler_trainer:.3g}), "
+            f"over max_sampler_gap = {config.max_sampler_gap:g}. The sampler loaded other weights (a skipped LoRA "
+            "adapter, a stale in-place reload, another dtype); nothing was saved"
+        )
