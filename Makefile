@@ -63,6 +63,7 @@ run: $(VLLM_INSTALLED) model
 test: $(INSTALLED) $(VLLM_INSTALLED) model
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 	RETOOL_REQUIRE_VLLM=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:

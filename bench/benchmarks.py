@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 from retool.config.rollout import seed_turn
 from retool.config.sandbox import SandboxConfig
 from retool.config.settings import RunSettings, setting_fields
-from retool.protocol.chat import BUNDLED_TEMPLATE, tool_call_text
+from retool.protocol.chat import BUNDLED_TEMPLATE
+from retool.protocol.tool_calls import tool_call_text
 from retool.rollout.state import rollout_in_memory
 from retool.run.context import protocol_for, sandbox_for, step_examples
 from retool.sampling.contract import SampleRequest, SamplingSettings
@@ -171,14 +172,14 @@ def bench_stage_overhead(workdir: Path) -> list[tuple[str, str]]:
     are loaded before the clock starts, once a run; loading the model is a stage's own work."""
     from pipeline.tasks import TrainStep
     from retool.evaluation.metrics import stage_timings
-    from retool.files.layout import step_folder
+    from retool.files.layout import RunFolder
 
     settings = default_run_settings().changed(
         run={"runs_dir": str(workdir), "name": "default-step"}, cold_start={"data": ""}
     )  # one RL step alone
     protocol_for(settings.model), sandbox_for(settings.sandbox).prewarm()
     wall = luigi_build(settings, TrainStep, step=0)
-    timings = stage_timings(step_folder(settings, 0))
+    timings = stage_timings(RunFolder(settings.run_dir).step(0).timings)
     in_runs, parquet = sum(t["seconds"] for t in timings), sum(t["parquet_seconds"] for t in timings)
     scheduling = wall - in_runs
     return [

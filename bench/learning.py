@@ -86,7 +86,7 @@ def bench_learning(
     for row in metrics.iter_rows(named=True):
         rows.append((f"RL step {row['step']}", _step_line(row)))
     if against is not None:
-        final = Evaluate(step=steps - 1, n=samples).context.folder
+        final = Evaluate(step=steps - 1, n=samples).context.folder.path
         rows += _paired_against(final, against / final.relative_to(settings.run_dir))
     return rows
 
@@ -136,10 +136,11 @@ def _paired_against(final: Path, other: Path) -> list[tuple[str, str]]:
     """This run's final policy against another run's on the same questions, in-family and held-out apart."""
     from pipeline.config import current_settings
     from retool.evaluation.scores import paired_difference, question_groups
+    from retool.files.layout import StepFolder
     from retool.files.tables import TRAJECTORIES, read_table
     from retool.stages.summary import training_sources
 
-    ours, theirs = (read_table(folder / "trajectories.parquet", TRAJECTORIES) for folder in (final, other))
+    ours, theirs = (read_table(StepFolder(folder).trajectories, TRAJECTORIES) for folder in (final, other))
     rows = []
     for group, part in question_groups(ours, training_sources(current_settings())).items():
         mean, half_width, questions = paired_difference(theirs, part)

@@ -8,7 +8,6 @@ import luigi
 import luigi.cmdline_parser
 
 from retool.config.settings import RunSettings, SettingsError, setting_fields
-from retool.run.setup import FLAT_NAMES
 
 _PARAMETER_TYPES = {
     bool: luigi.BoolParameter,
@@ -38,16 +37,6 @@ def current_settings() -> RunSettings:
     parameters is slow and tasks ask often, so the result is cached for as long as the sections
     and the command line stay the same."""
     parser = luigi.configuration.get_config()
-    if parser.has_section("retool"):
-        moved = [
-            f"{key} -> [{FLAT_NAMES[key][0]}] {FLAT_NAMES[key][1]}"
-            for key, _ in parser.items("retool", raw=True)
-            if key in FLAT_NAMES
-        ]
-        raise SettingsError(
-            "the [retool] section of earlier versions is now split by concern; move its settings: "
-            + ", ".join(moved or ["(none set)"])
-        )
     sections = tuple(  # raw: no interpolation, much faster
         tuple(sorted(parser.items(name, raw=True))) if parser.has_section(name) else () for name in SECTIONS
     )

@@ -1,9 +1,12 @@
-"""Rollout, training and evaluation stages as Luigi tasks. Each run() reads its inputs, calls one
-function of jobs/ and writes its output atomically; the rules live in jobs/."""
+"""Rollout, training and evaluation stages as Luigi tasks. Each run() reads its inputs, calls one stage
+function of retool.stages and writes its output atomically; the rules live in retool/."""
 
 from __future__ import annotations
 
 import functools
+import json
+from dataclasses import asdict
+from pathlib import Path
 
 import luigi
 
@@ -13,47 +16,41 @@ from retool.evaluation.metrics import record_stage_seconds
 from retool.evaluation.report import make_report
 from retool.evaluation.scores import EVAL_MODES, describe_eval
 from retool.evaluation.spec import EvalSpec
-from retool.files.layout import sft_folder
 from retool.files.tables import SAMPLES, TRAJECTORIES, parquet_seconds, read_table, write_table_atomically
 from retool.run.context import RunContext, context_for, open_run
 from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memory
-from retool.stages.rollout import datums_table, describe, execute_round, prompts_table, sample_round, score_step
+from retool.stages.rollout import (
+    datums_table,
+    describe_datums,
+    describe_observations,
+    describe_prompts,
+    describe_samples,
+    describe_trajectories,
+    execute_round,
+    prompts_table,
+    sample_round,
+    score_step,
+)
 from retool.stages.summary import before_after_stage, evaluate_stage, metrics_stage, training_sources
 from retool.stages.training import cold_start_stage, describe_metrics, sft_examples_stage, train_stage
 from retool.training.cold_start import describe_cold_start, losses_table
+from retool.weights.checkpoint import Checkpoint
 
 
 class RunTask(luigi.Task):
-    """A stage of one step of one run: a training step, or (with `dataset` set) the evaluation of
-    checkpoint `step` (-1: the base model) in its own folder under runs/<run>/eval/."""
+    """A stage of one step of one run. Making one sets the run up (once per process): the command line
+    builds its task before Luigi schedules anything or forks worker processes."""
 
     step = luigi.IntParameter(description="training step (an evaluation: the checkpoint; -1 the base model)")
-    dataset = luigi.Parameter(default="", description="evaluation data file; empty for training")
-    n = luigi.IntParameter(default=0, description="evaluation samples per question")
-    mode = luigi.ChoiceParameter(choices=EVAL_MODES, default="retool", description="evaluation mode")
-    sft = luigi.BoolParameter(
-        default=False, description="with --step -1: evaluate the cold-start checkpoint, not the base model"
-    )
-    limit = luigi.IntParameter(default=0, description="evaluate the data set's first N questions only (0: all)")
-    temperature = luigi.OptionalFloatParameter(default=None, description="evaluation temperature (default: the run's)")
-    top_p = luigi.OptionalFloatParameter(default=None, description="evaluation top_p (default: the run's)")
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        # The run's set-up, once: the command line builds its task here, before Luigi schedules anything or
-        # forks worker processes. An evaluation's data file is read here too.
         open_run(current_settings(), luigi.interface.core().workers)
-        self.context.settings
+        self.context = self.make_context()  # an evaluation's data file is read here too
         watch_if_named_on_the_command_line(self)
 
-    @property
-    def context(self) -> RunContext:
-        evaluation = (
-            EvalSpec(self.dataset, self.n, self.mode, self.sft, self.limit, self.temperature, self.top_p)
-            if self.dataset
-            else None
-        )
-        return context_for(current_settings(), self.step, evaluation)
+    def make_context(self) -> RunContext:
+        return context_for(current_settings(), self.step)
 
     @property
     def priority(self) -> int:
@@ -62,9 +59,6 @@ class RunTask(luigi.Task):
         prompts are still in the sampler's prefix cache, rather than sampling every shard's round r first."""
         shard = getattr(self, "shard", None)
         return -shard if shard is not None else -(2**16)
-
-    def target(self, relative: str) -> luigi.LocalTarget:
-        return luigi.LocalTarget(str(self.context.folder / relative))
 
     def complete(self) -> bool:
         """Complete only when the output exists and every input of the same step and namespace is
@@ -77,27 +71,30 @@ class RunTask(luigi.Task):
         )
 
     def label(self) -> str:
-        """The task as users name it: training tasks without the (empty) evaluation parameters."""
+        """The task as users name it: its parameters, an evaluation by its folder, unset ones left out."""
         params = self.to_str_params(only_significant=True)
-        if not self.dataset:
-            evaluation = ("dataset", "n", "mode", "sft", "limit", "temperature", "top_p")
-            params = {k: v for k, v in params.items() if k not in evaluation}
-        unset = {"limit": "0", "temperature": "", "top_p": ""}  # an evaluation's sampling as the run's: not shown
+        if getattr(self, "evaluation", None) is not None:
+            params["evaluation"] = self.context.folder.path.relative_to(self.context.run_folder.path).as_posix()
+        unset = {"evaluation": "", "limit": "0", "temperature": "", "top_p": ""}  # the run's own: not shown
         params = {k: v for k, v in params.items() if unset.get(k) != v}
         return f"{self.task_family}({', '.join(f'{k}={v}' for k, v in params.items())})"
 
-    def write(self, table) -> None:
-        write_table_atomically(table, self.output().path)  # replaces a stale output in one rename
-        self.summary = describe(table)
+    def target(self, path) -> luigi.LocalTarget:
+        return luigi.LocalTarget(str(path))
 
     def policy_task(self) -> list[luigi.Task]:
-        """The task that makes the policy this rollout samples from (none for the base model)."""
-        policy = self.context.policy
-        if policy is None:
+        """The task that makes the checkpoint this task's rollout samples from (none for the model setting)."""
+        checkpoint = self.context.policy_checkpoint
+        if checkpoint is None:
             return []
-        if policy.parent == sft_folder(self.context.run):
+        if checkpoint.path == self.context.run_folder.sft.checkpoint:
             return [ColdStart()]
-        return [TrainStep(step=self.step if self.dataset else self.step - 1)]
+        evaluating = self.context.evaluation is not None  # an evaluation scores checkpoint `step` itself
+        return [TrainStep(step=self.step if evaluating else self.step - 1)]
+
+    def write(self, table, describe) -> None:
+        write_table_atomically(table, self.output().path)  # replaces a stale output in one rename
+        self.summary = describe(table)
 
 
 @RunTask.event_handler(luigi.Event.START)
@@ -113,26 +110,46 @@ def _note_failure(task: RunTask, error: Exception) -> None:
 @RunTask.event_handler(luigi.Event.PROCESSING_TIME)
 def _report_stage(task: RunTask, seconds: float) -> None:
     """One line per finished stage: what it wrote, how long it took, and where."""
+    timings = task.context.folder.timings
     record_stage_seconds(
-        task.context.folder,
-        task.task_id,
-        task.task_family,
-        seconds,
-        parquet_seconds() - task.parquet_seconds_at_start,
+        timings, task.task_id, task.task_family, seconds, parquet_seconds() - task.parquet_seconds_at_start
     )
     where = luigi.task.flatten(task.output())[0].path
     print(f"{task.label()}: {getattr(task, 'summary', '')}, {seconds:.1f} s -> {where}", flush=True)
 
 
-class Prompts(RunTask):
+class EvalSpecParameter(luigi.Parameter):
+    """An evaluation as one parameter: the JSON of its fields; empty for a training step."""
+
+    def parse(self, text: str) -> EvalSpec | None:
+        return EvalSpec(**json.loads(text)) if text else None
+
+    def serialize(self, spec: EvalSpec | None) -> str:
+        return json.dumps(asdict(spec), sort_keys=True) if spec is not None else ""
+
+    def normalize(self, value):
+        return self.parse(value) if isinstance(value, str) else value
+
+
+class RolloutTask(RunTask):
+    """A rollout stage of a training step, or (with `evaluation` set) of the evaluation of checkpoint `step`
+    in its own folder under runs/<run>/eval/."""
+
+    evaluation = EvalSpecParameter(default=None, description="the evaluation (JSON); empty: a training step")
+
+    def make_context(self) -> RunContext:
+        return context_for(current_settings(), self.step, self.evaluation)
+
+
+class Prompts(RolloutTask):
     def output(self):
-        return self.target("prompts.parquet")
+        return self.target(self.context.folder.prompts)
 
     def run(self):
-        self.write(prompts_table(self.context.examples(), self.context.protocol, self.step))
+        self.write(prompts_table(self.context.examples(), self.context.protocol, self.step), describe_prompts)
 
 
-class SampleRound(RunTask):
+class SampleRound(RolloutTask):
     round = luigi.IntParameter(description="round of the rollout: the assistant turn, from 0")
     shard = luigi.IntParameter(default=0, description="shard of the questions, from 0 ([rollout] shards)")
 
@@ -141,7 +158,7 @@ class SampleRound(RunTask):
         return [state] + self.policy_task()
 
     def output(self):
-        return self.target(f"shard={self.shard:02d}/round={self.round:02d}/samples.parquet")
+        return self.target(self.context.folder.samples(self.shard, self.round))
 
     def run(self):
         context = self.context
@@ -149,10 +166,12 @@ class SampleRound(RunTask):
         self.set_status_message(f"sampling for {sum(not t.done for t in trajectories)} live trajectories")
         rollout = context.settings.rollout
         sampler = functools.partial(context.sampler, self.shard)  # loaded only when there is something to sample
-        self.write(sample_round(trajectories, sampler, context.protocol, rollout, self.step, self.round))
+        self.write(
+            sample_round(trajectories, sampler, context.protocol, rollout, self.step, self.round), describe_samples
+        )
 
 
-class ExecuteRound(RunTask):
+class ExecuteRound(RolloutTask):
     round = luigi.IntParameter(description="round of the rollout: the assistant turn, from 0")
     shard = luigi.IntParameter(default=0, description="shard of the questions, from 0 ([rollout] shards)")
 
@@ -160,7 +179,7 @@ class ExecuteRound(RunTask):
         return self.clone(SampleRound)
 
     def output(self):
-        return self.target(f"shard={self.shard:02d}/round={self.round:02d}/observations.parquet")
+        return self.target(self.context.folder.observations(self.shard, self.round))
 
     def run(self):
         context = self.context
@@ -168,23 +187,25 @@ class ExecuteRound(RunTask):
         samples = read_table(self.input().path, SAMPLES)
         self.set_status_message(f"running the tool calls of {samples.num_rows} turns")
         rollout = context.settings.rollout
-        self.write(
-            execute_round(trajectories, samples, context.sandbox, context.protocol, rollout, self.step, self.round)
+        observations = execute_round(
+            trajectories, samples, context.sandbox, context.protocol, rollout, self.step, self.round
         )
+        self.write(observations, describe_observations)
 
 
-class ScoreTrajectories(RunTask):
+class ScoreTrajectories(RolloutTask):
     def requires(self):
         rollout = self.context.settings.rollout
         last_round = rollout.max_assistant_turns - 1
         return [self.clone(ExecuteRound, round=last_round, shard=shard) for shard in range(rollout.shards)]
 
     def output(self):
-        return self.target("trajectories.parquet")
+        return self.target(self.context.folder.trajectories)
 
     def run(self):
         context = self.context
-        self.write(score_step(context.all_trajectories(), self.step, context.settings.data.keep_limit))
+        scored = score_step(context.all_trajectories(), self.step, context.settings.data.keep_limit)
+        self.write(scored, describe_trajectories)
 
 
 class BuildDatums(RunTask):
@@ -192,14 +213,16 @@ class BuildDatums(RunTask):
         return self.clone(ScoreTrajectories)
 
     def output(self):
-        return self.target("datums.parquet")
+        return self.target(self.context.folder.datums)
 
     def run(self):
         scored = read_table(self.input().path, TRAJECTORIES)
         context = self.context
-        self.write(
-            datums_table(context.all_trajectories(), scored, self.step, context.settings.rollout.trainer_max_tokens)
-        )
+        trainer_max_tokens = context.settings.rollout.trainer_max_tokens
+        self.write(datums_table(context.all_trajectories(), scored, self.step, trainer_max_tokens), describe_datums)
+
+
+ROLLOUT_STAGES = (Prompts, SampleRound, ExecuteRound, ScoreTrajectories, BuildDatums)  # timed in a step's metrics
 
 
 class TrainStep(RunTask):
@@ -207,20 +230,34 @@ class TrainStep(RunTask):
     Also writes the step's metrics.parquet and prints them as one line."""
 
     def requires(self):
-        return [self.clone(BuildDatums)] + self.policy_task()
+        policy = {"policy": task for task in self.policy_task()}
+        return {"datums": self.clone(BuildDatums), "trajectories": self.clone(ScoreTrajectories), **policy}
 
     def output(self):
         """The checkpoint's marker and the step's metrics: a run killed between the two trains the
         step again (deterministically) rather than leaving the metrics out."""
-        return [self.target("checkpoint/_SUCCESS"), self.target("metrics.parquet")]
+        folder = self.context.folder
+        return {"checkpoint": self.target(Checkpoint(folder.checkpoint).marker), "metrics": self.target(folder.metrics)}
 
     def run(self):
         self.set_status_message("training one PPO step")
-        context = self.context
+        context, inputs = self.context, self.input()
+        previous = Path(inputs["policy"]["checkpoint"].path).parent if self.step > 0 else None  # step 0: the RL base
+        checkpoints = [context.run_folder.step(step).checkpoint for step in range(self.step + 1)]
         release_sampler_memory(context.run)  # the sampler sleeps while the step trains on the GPU
-        training = train_stage(context.run, self.step)
+        training = train_stage(
+            context.run,
+            inputs["datums"].path,
+            inputs["trajectories"].path,
+            previous,
+            context.folder.checkpoint,
+            checkpoints,
+        )
         reclaim_sampler_memory(context.run)
-        metrics = metrics_stage(context.folder, context.run.run_dir, self.step, training, context.sandbox)
+        stages = [stage.__name__ for stage in ROLLOUT_STAGES]
+        metrics = metrics_stage(
+            context.folder, context.run_folder, self.step, training, context.sandbox, stages, self.task_family
+        )
         self.summary = f"{describe_metrics(training)}\n  {metrics}"
 
 
@@ -229,8 +266,7 @@ class ColdStartTask(RunTask):
 
     step = luigi.IntParameter(default=-1, significant=False, description="not used: the cold start precedes step 0")
 
-    @property
-    def context(self) -> RunContext:
+    def make_context(self) -> RunContext:
         return context_for(current_settings(), -1, cold_start=True)
 
 
@@ -238,11 +274,11 @@ class SFTExamples(ColdStartTask):
     """The cold-start conversations rendered through the rollout's protocol: sft/examples.parquet."""
 
     def output(self):
-        return self.target("examples.parquet")
+        return self.target(self.context.folder.sft_examples)
 
     def run(self):
         table, skipped = sft_examples_stage(self.context.run, self.context.protocol)
-        self.write(table)
+        self.write(table, functools.partial(describe_datums, kind="SFT examples"))
         self.summary += f" ({skipped} conversations over the budgets or turn limits, left out)" if skipped else ""
 
 
@@ -254,11 +290,18 @@ class ColdStart(ColdStartTask):
         return SFTExamples()
 
     def output(self):
-        return [self.target("checkpoint/_SUCCESS"), self.target("losses.parquet")]
+        folder = self.context.folder
+        return {
+            "checkpoint": self.target(Checkpoint(folder.checkpoint).marker),
+            "losses": self.target(folder.sft_losses),
+        }
 
     def run(self):
-        losses = cold_start_stage(self.context.run, self.report_progress)
-        write_table_atomically(losses_table(losses), self.output()[1].path)
+        folder = self.context.folder
+        losses = cold_start_stage(
+            self.context.run, self.input().path, folder.checkpoint, folder.sft_progress, self.report_progress
+        )
+        write_table_atomically(losses_table(losses), self.output()["losses"].path)
         self.summary = describe_cold_start(losses)
 
     def report_progress(self, row: dict) -> None:
@@ -268,18 +311,36 @@ class ColdStart(ColdStartTask):
         print(line, flush=True)
 
 
-class Evaluate(RunTask):
-    """Average@N / Pass@N of checkpoint `step` (-1: the base model) on an eval set, in retool or
-    text-only mode: summary.parquet in the evaluation's folder, and one printed line."""
+class EvaluationTask(RunTask):
+    """The parameters of an evaluation of checkpoint `step`: its data, samples per question, mode and sampling."""
 
     dataset = luigi.Parameter(default="data/synthetic_eval.jsonl", description="evaluation data file")
     n = luigi.IntParameter(default=4, description="samples per question")
+    mode = luigi.ChoiceParameter(choices=EVAL_MODES, default="retool", description="evaluation mode")
+    sft = luigi.BoolParameter(
+        default=False, description="with --step -1: evaluate the cold-start checkpoint, not the base model"
+    )
+    limit = luigi.IntParameter(default=0, description="evaluate the data set's first N questions only (0: all)")
+    temperature = luigi.OptionalFloatParameter(default=None, description="evaluation temperature (default: the run's)")
+    top_p = luigi.OptionalFloatParameter(default=None, description="evaluation top_p (default: the run's)")
+
+    def spec(self, sft: bool | None = None) -> EvalSpec:
+        sft = self.sft if sft is None else sft
+        return EvalSpec(self.dataset, self.n, self.mode, sft, self.limit, self.temperature, self.top_p)
+
+    def make_context(self) -> RunContext:
+        return context_for(current_settings(), self.step, self.spec())
+
+
+class Evaluate(EvaluationTask):
+    """Average@N / Pass@N of checkpoint `step` (-1: the base model) on an eval set, in retool or
+    text-only mode: summary.parquet in the evaluation's folder, and one printed line."""
 
     def requires(self):
-        return self.clone(ScoreTrajectories)
+        return ScoreTrajectories(step=self.step, evaluation=self.spec())
 
     def output(self):
-        return self.target("summary.parquet")
+        return self.target(self.context.folder.summary)
 
     def run(self):
         trajectories = read_table(self.input().path, TRAJECTORIES)
@@ -295,20 +356,17 @@ class Report(RunTask):
         return TrainStep(step=self.step)
 
     def output(self):
-        return luigi.LocalTarget(str(self.context.run.run_dir / "report" / f"step={self.step:04d}" / "report.md"))
+        return self.target(self.context.run_folder.report(self.step) / "report.md")
 
     def run(self):
         self.summary = f"plots and summary of {self.step + 1} steps"
-        make_report(self.context.run.run_dir, self.output().path.rsplit("/", 1)[0])
+        make_report(self.context.run.run_dir, self.context.run_folder.report(self.step))
 
 
-class BeforeAfter(RunTask):
+class BeforeAfter(EvaluationTask):
     """Training through step `step`, then the base model, the cold-start checkpoint (if the run has
     one) and checkpoint `step` evaluated on the same held-out questions: a before/after table in the
     evaluations' folder, printed, and the run's report with the evaluations."""
-
-    dataset = luigi.Parameter(default="data/synthetic_eval.jsonl", description="evaluation data file")
-    n = luigi.IntParameter(default=4, description="samples per question")
 
     def evaluations(self) -> list[tuple[str, Evaluate]]:
         policies = (
@@ -322,12 +380,12 @@ class BeforeAfter(RunTask):
         return [task for _, task in self.evaluations()]
 
     def output(self):
-        folder = self.evaluations()[-1][1].context.folder.parent
-        return luigi.LocalTarget(str(folder / f"before_after-step={self.step:04d}.md"))
+        return self.target(self.context.run_folder.before_after(self.spec().name, self.step))
 
     def run(self):
         evaluations = [(label, task.context.folder) for label, task in self.evaluations()]
-        run_dir = self.context.run.run_dir
-        report = run_dir / "report" / f"step={self.step:04d}"
+        run_folder = self.context.run_folder
         trained = training_sources(self.context.run)
-        self.summary = "\n" + before_after_stage(run_dir, evaluations, trained, self.output().path, report)
+        self.summary = "\n" + before_after_stage(
+            run_folder.path, evaluations, trained, self.output().path, run_folder.report(self.step)
+        )

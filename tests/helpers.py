@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from retool.config.rollout import seed_turn
 from retool.protocol.chat import ChatProtocol
-from retool.protocol.chat import tool_call_text as protocol_tool_call_text
+from retool.protocol.tool_calls import tool_call_text as protocol_tool_call_text
 from retool.sandbox.call import ExecutionResult, SandboxStats
 
 

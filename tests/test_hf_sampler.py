@@ -4,6 +4,7 @@ import torch
 import retool.sampling.progress
 from retool.sampling.contract import SampleRequest, SamplingSettings
 from retool.sampling.hf import HFSampler
+from retool.weights.checkpoint import Checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_sampling_from_a_lora_checkpoint_matches_the_trained_model(tiny_model_di
     sampler = HFSampler(tiny_model_dir)
     request = requests_for(sampler)[0]
     base = sampler.sample([request], SamplingSettings())[0][0]
-    sampler.use_policy(tmp_path / "checkpoint")
+    sampler.use_policy(Checkpoint(tmp_path / "checkpoint").policy(tiny_model_dir))
     trained = sampler.sample([request], SamplingSettings())[0][0]
     ids = torch.tensor([list(request.prompt_tokens) + list(trained.tokens)])
     model.eval()

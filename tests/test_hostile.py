@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from retool.protocol.chat import neutralise
+from retool.protocol.tool_calls import neutralise
 from retool.sandbox.call import ExecutionResult, Sandbox
 from retool.sandbox.isolation import probe_containment
 
@@ -110,13 +110,13 @@ def test_binary_garbage_on_stdout(guard, tokenizer):
     text.encode("utf-8")  # always valid text
 
 
-@pytest.mark.skipif(not CONTAINED, reason="no network namespace on this machine (see README, Safety)")
+@pytest.mark.skipif(not CONTAINED, reason="no network namespace on this machine (see docs/safety.md)")
 def test_socket_to_loopback(guard):
     result = run_guarded(guard, "import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=2)")
     assert result.status == "error" and "Network is unreachable" in result.stderr
 
 
-@pytest.mark.skipif(not CONTAINED, reason="no mount namespace on this machine (see README, Safety)")
+@pytest.mark.skipif(not CONTAINED, reason="no mount namespace on this machine (see docs/safety.md)")
 def test_writing_outside_its_directory(guard, tmp_path):
     targets = [REPO / "pwned.txt", tmp_path / "pwned.txt", Path("/tmp/pwned-retool.txt")]
     code = (
@@ -129,7 +129,7 @@ def test_writing_outside_its_directory(guard, tmp_path):
     assert not any(target.exists() for target in targets)
 
 
-@pytest.mark.skipif(not CONTAINED, reason="no PID namespace on this machine (see README, Safety)")
+@pytest.mark.skipif(not CONTAINED, reason="no PID namespace on this machine (see docs/safety.md)")
 def test_parent_environment_and_processes_are_out_of_reach(guard, monkeypatch):
     monkeypatch.setenv("RETOOL_SECRET", "hunter2")
     code = (
@@ -140,7 +140,7 @@ def test_parent_environment_and_processes_are_out_of_reach(guard, monkeypatch):
     assert "hunter2" not in result.stdout and result.stdout.splitlines()[-1] == "False False"
 
 
-@pytest.mark.skipif(not CONTAINED, reason="no PID namespace on this machine (see README, Safety)")
+@pytest.mark.skipif(not CONTAINED, reason="no PID namespace on this machine (see docs/safety.md)")
 def test_killing_its_parent_or_group(guard):
     result = run_guarded(
         guard, "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.killpg(0, signal.SIGKILL)"

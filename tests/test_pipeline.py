@@ -278,7 +278,7 @@ def test_train_step_writes_the_step_metrics(configure, monkeypatch):
     assert metrics["train_datums"] == pa.parquet.read_table(step_dir(settings, 0) / "datums.parquet").num_rows > 0
     assert metrics["train_padded_tokens"] >= metrics["train_tokens"] > 0 and metrics["train_micro_batches"] >= 1
     assert metrics["seconds_SampleRound"] > 0 and metrics["seconds_TrainStep"] > 0
-    timings = stage_timings(step_dir(settings, 0))
+    timings = stage_timings(step_dir(settings, 0) / "_timings")
     assert {t["stage"] for t in timings} == {
         "Prompts",
         "SampleRound",
@@ -310,7 +310,8 @@ def test_train_step_writes_the_step_metrics(configure, monkeypatch):
 
 def test_step_zero_samples_from_and_trains_on_top_of_the_cold_start(configure, monkeypatch):
     from pipeline import ColdStart, TrainStep
-    from retool.files.layout import rl_base_model, sft_checkpoint
+    from retool.run.context import rl_base_model
+    from retool.weights.checkpoint import Policy
 
     settings = configure(
         "cold",
@@ -328,12 +329,11 @@ def test_step_zero_samples_from_and_trains_on_top_of_the_cold_start(configure, m
     assert luigi.build([TrainStep(step=1)], local_scheduler=True, workers=1, log_level="WARNING")
     assert ColdStart().complete() and read_table(settings.run_dir / "sft/losses.parquet", SFT_LOSSES).num_rows == 2
     step_zero, step_one = step_dir(settings, 0) / "checkpoint", step_dir(settings, 1) / "checkpoint"
-    assert set(policies) == {sft_checkpoint(settings), step_zero}
-    assert rl_base_model(settings) == sft_checkpoint(settings) / "model"
+    sft_model = settings.run_dir / "sft/checkpoint/model"
+    assert rl_base_model(settings) == sft_model
+    assert set(policies) == {Policy(sft_model), Policy(sft_model, step_zero / "adapter")}
     config = json.loads((step_zero / "adapter" / "adapter_config.json").read_text())
-    assert Path(config["base_model_name_or_path"]) == rl_base_model(
-        settings
-    )  # RL's LoRA sits on the cold start's weights
+    assert Path(config["base_model_name_or_path"]) == sft_model  # RL's LoRA sits on the cold start's weights
     assert (step_one / "_SUCCESS").exists()
 
 
@@ -368,7 +368,11 @@ def test_a_sampler_that_does_not_serve_the_policy_fails_the_step_before_saving(c
     assert not build_train(settings, 0, tool_policy(settings), monkeypatch)
     assert not (step_dir(settings, 0) / "checkpoint").exists()
     with pytest.raises(PolicySyncError, match="the sampler does not serve the trained policy"):
-        pipeline.tasks.train_stage(settings, 0)
+        folder = step_dir(settings, 0)
+        checkpoint = folder / "checkpoint"
+        pipeline.tasks.train_stage(
+            settings, folder / "datums.parquet", folder / "trajectories.parquet", None, checkpoint, [checkpoint]
+        )
 
 
 def test_one_worker_runs_a_shard_s_rounds_before_the_next_shard_s(configure, monkeypatch):

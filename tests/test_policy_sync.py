@@ -15,6 +15,7 @@ from retool.sampling.adapters import adapter_for_engine, keeps_language_model_ap
 from retool.sampling.contract import SampleRequest, SamplingSettings
 from retool.training.checkpoints import save_checkpoint
 from retool.training.step import PolicySyncError, check_policy_sync, load_policy, train_step
+from retool.weights.checkpoint import Checkpoint
 from retool.weights.models import build_tiny_model
 from tests.test_trainer import on_policy_datums
 
@@ -77,7 +78,7 @@ def test_a_lora_step_of_each_architecture_is_served_exactly(architecture, vllm_r
     model = trained_checkpoint(base, tmp_path / "step0")
     engine = VLLMSampler(base, "cpu", max_model_len=512, lora_rank=LORA.lora_rank)
     try:
-        engine.use_policy(tmp_path / "step0")
+        engine.use_policy(Checkpoint(tmp_path / "step0").policy(base))
         metrics = sync_metrics(engine, model)
         assert metrics.loss_tokens > 0 and metrics.logprob_gap < 1e-4
         check_policy_sync(metrics, TrainerConfig(max_sampler_gap=1e-3), tmp_path / "step0")
@@ -93,7 +94,7 @@ def test_a_lora_step_of_each_architecture_is_served_exactly(architecture, vllm_r
                 (weights.parent / item.name).write_bytes(item.read_bytes())
         tensors = load_file(str(tmp_path / "step0" / "adapter" / "adapter_model.safetensors"))
         save_file({k.replace(".model.layers.", ".model.decoder.layers."): v for k, v in tensors.items()}, str(weights))
-        engine.use_policy(tmp_path / "misnamed")
+        engine.use_policy(Checkpoint(tmp_path / "misnamed").policy(base))
         with pytest.raises(PolicySyncError, match="the sampler does not serve the trained policy"):
             check_policy_sync(sync_metrics(engine, model), TrainerConfig(max_sampler_gap=1e-3), tmp_path / "misnamed")
     finally:

@@ -1,6 +1,7 @@
 import pytest
 
-from retool.protocol.chat import BUNDLED_TEMPLATE, CODE_INTERPRETER_TOOL, ChatProtocol, TemplateError, parse_assistant
+from retool.protocol.chat import BUNDLED_TEMPLATE, ChatProtocol, TemplateError
+from retool.protocol.tool_calls import CODE_INTERPRETER_TOOL, parse_assistant
 from tests.helpers import completion, tool_call_text
 
 

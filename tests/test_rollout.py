@@ -15,6 +15,7 @@ from retool.rollout.state import (
     fit_tool_content,
     plan_requests,
     rollout_in_memory,
+    sampling_settings,
     start_trajectories,
     turn_budget,
 )
@@ -256,7 +257,7 @@ def test_edge_7_transient_sampler_failures_are_retried(hermes, monkeypatch):
             raise ConnectionError("engine gone")
 
     with pytest.raises(RuntimeError, match="sampler failed 3 times.*engine gone"):
-        sample_checked(Down(), [_request()], CONFIG.sampling_settings(hermes))
+        sample_checked(Down(), [_request()], sampling_settings(CONFIG, hermes))
 
 
 def _request():

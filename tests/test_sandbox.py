@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from retool.config.sandbox import SandboxConfig
-from retool.protocol.chat import load_tokenizer, neutralise
+from retool.protocol.chat import load_tokenizer
+from retool.protocol.tool_calls import neutralise
 from retool.rollout.state import TRUNCATION_MARKER
 from retool.sandbox.call import Sandbox
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from retool.sampling.contract import SampleRequest, SamplingSettings
+from retool.weights.checkpoint import Checkpoint
 
 pytestmark = pytest.mark.vllm
 
@@ -105,7 +106,7 @@ def test_a_lora_checkpoint_is_served_as_a_fresh_adapter(engine, tiny_model_dir, 
     model.eval()
     request = requests()[0]
     for checkpoint in checkpoints:
-        engine.use_policy(checkpoint)
+        engine.use_policy(Checkpoint(checkpoint).policy(tiny_model_dir))
         sequence = engine.sample([request], SamplingSettings())[0][0]
         ids = torch.tensor([list(request.prompt_tokens) + list(sequence.tokens)])
         with torch.no_grad():
@@ -147,14 +148,14 @@ def test_full_weights_and_an_adapter_over_them_are_served_exactly(engine, tiny_m
     model, optimizer = load_policy(tiny_model_dir, None, full)
     metrics = train_step(model, optimizer, on_policy_datums(model), full, num_trajectories=2)
     save_checkpoint(tmp_path / "full", model, optimizer, metrics, full, tiny_model_dir)
-    engine.use_policy(tmp_path / "full")
+    engine.use_policy(Checkpoint(tmp_path / "full").policy(tiny_model_dir))
     assert max_gap(engine, model.eval(), requests()[0]) < 1e-4
 
     lora = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2)
     model, optimizer = load_policy(tmp_path / "full" / "model", None, lora)
     metrics = train_step(model, optimizer, on_policy_datums(model), lora, num_trajectories=2)
     save_checkpoint(tmp_path / "adapter", model, optimizer, metrics, lora, tmp_path / "full" / "model")
-    engine.use_policy(tmp_path / "adapter", tmp_path / "full" / "model")
+    engine.use_policy(Checkpoint(tmp_path / "adapter").policy(tmp_path / "full" / "model"))
     assert max_gap(engine, model.eval(), requests()[0]) < 1e-3
     engine.use_policy(None)
 

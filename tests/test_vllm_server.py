@@ -18,6 +18,7 @@ from retool.config.settings import RunSettings
 from retool.sampling.contract import SampleRequest, SamplingSettings, sample_checked
 from retool.sampling.server import start_server, stop_server
 from retool.sampling.server_client import ServerSampler
+from retool.weights.checkpoint import Checkpoint
 from tests.pipeline_helpers import TRAIN, step_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -139,7 +140,7 @@ def test_a_lora_policy_switched_through_the_server_passes_the_sync_check(server,
 
     model = trained_checkpoint(tiny_model_dir, tmp_path / "step0")
     sampler = ServerSampler(server, "cpu")
-    sampler.use_policy(tmp_path / "step0")
+    sampler.use_policy(Checkpoint(tmp_path / "step0").policy(tiny_model_dir))
     metrics = sync_metrics(sampler, model)
     assert metrics.loss_tokens > 0 and metrics.logprob_gap < 1e-4
     check_policy_sync(metrics, TrainerConfig(max_sampler_gap=1e-3), tmp_path / "step0")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from retool.config.rollout import RolloutConfig
 from retool.config.sandbox import SandboxConfig
-from retool.protocol.chat import PROTOCOL_TAGS, neutralise
+from retool.protocol.tool_calls import PROTOCOL_TAGS, neutralise
 from retool.sandbox.call import Sandbox
 
 DESCRIPTION = """Run a Python file in the sandbox and print the tool message the model would see: stdout, then

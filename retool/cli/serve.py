@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from retool.sampling.server import RECORD, start_server, stop_server, write_record
+from retool.files.layout import RunFolder
+from retool.sampling.server import start_server, stop_server, write_record
 
 
 def main() -> None:
@@ -18,17 +19,18 @@ def main() -> None:
     args = parser.parse_args()
     settings = current_settings()
     port = args.port or settings.sampler.server_port
-    log_path = settings.run_dir / "sampler-server.log"
+    folder = RunFolder(settings.run_dir)
+    log_path = folder.server_log
     print(f"starting vLLM for {settings.model.name} on port {port} (log: {log_path})", flush=True)
     process, url = start_server(settings, port, log_path)
     write_record(settings, url, process.pid, "user")
-    print(f"serving at {url}; recorded in {settings.run_dir / RECORD}. Ctrl-C stops it.", flush=True)
+    print(f"serving at {url}; recorded in {folder.server_record}. Ctrl-C stops it.", flush=True)
     try:
         process.wait()
     except KeyboardInterrupt:
         stop_server(process)
     finally:
-        (settings.run_dir / RECORD).unlink(missing_ok=True)
+        (folder.server_record).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

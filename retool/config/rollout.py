@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from retool.protocol.chat import ChatProtocol
-from retool.sampling.contract import SamplingSettings
-
 # Seed layout, high bits to low: base seed | step + 1 | question | turn | branch. Every field has its
 # own bits, so two different sampling calls can never share a seed (the reference's seed + index +
 # 10000 * turn could). The branch sits lowest because vLLM seeds the n children of one request with
@@ -32,11 +29,16 @@ def sample_seed(seed: int, step: int, question_index: int, group_index: int, tur
     return packed
 
 
+def seed_capacity(name: str) -> int:
+    """How many values of one field (a step's questions, say) the seed layout tells apart."""
+    return 2 ** dict(SEED_FIELDS)[name]
+
+
 def seed_turn(seed: int) -> int:
     """The turn a packed sampling seed was drawn for."""
     names = [name for name, _ in SEED_FIELDS]
     below = sum(bits for _, bits in SEED_FIELDS[names.index("turn") + 1 :])
-    return (seed >> below) % 2 ** dict(SEED_FIELDS)["turn"]
+    return (seed >> below) % seed_capacity("turn")
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,3 @@ class RolloutConfig:
                 raise ValueError(
                     f"RolloutConfig: {name} up to {limits[name]} does not fit the seed layout ({bits} bits)"
                 )
-
-    def sampling_settings(self, protocol: ChatProtocol) -> SamplingSettings:
-        return SamplingSettings(self.temperature, self.top_p, protocol.stop_token_ids, protocol.stop_strings)

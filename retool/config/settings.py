@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from retool.config.cold_start import ColdStartConfig
-from retool.config.rollout import SEED_FIELDS, RolloutConfig
+from retool.config.rollout import RolloutConfig, seed_capacity
 from retool.config.sampler import SamplerConfig
 from retool.config.sandbox import SandboxConfig
 from retool.config.trainer import TrainerConfig, resolved_dtype
@@ -184,7 +184,7 @@ def check_training(settings: RunSettings) -> None:
             "question, since advantages are rewards minus their group's mean and a group of one never has a "
             "learning signal"
         )
-    limit = 2 ** dict(SEED_FIELDS)["question_index"]
+    limit = seed_capacity("question_index")
     if settings.data.questions_rolled_out > limit:
         name = "questions_drawn" if settings.data.questions_drawn else "questions_per_step"
         raise SettingsError(

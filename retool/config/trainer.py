@@ -1,5 +1,5 @@
-"""The trainer's settings and the record of one training step, apart from the trainer itself so that
-reading settings never imports torch."""
+"""The [trainer] section: the policy's parameterisation, the PPO objective, the optimizer, micro-batches and
+precision (apart from the trainer itself, so that reading settings never imports torch)."""
 
 from __future__ import annotations
 

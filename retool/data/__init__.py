@@ -1,0 +1,1 @@
+"""Questions and worked solutions: their files, the synthetic problem families, the reward."""

@@ -11,7 +11,7 @@ from typing import Any
 
 from retool.data.examples import DataError
 from retool.data.reward import last_boxed
-from retool.protocol.chat import TOOL_NAME
+from retool.protocol.tool_calls import TOOL_NAME
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,6 @@ class Conversation:
     answer: str  # reference answer: the row's "answer", else the final \boxed{}
     turns: tuple[SolutionTurn, ...]  # assistant turns; the last one answers
     data_source: str = "cold-start"  # the row's "data_source" (a synthetic problem's family), if it has one
-
-
-# -- reading conversations ----------------------------------------------------------------------------
 
 
 def _call_code(call: Any, where: str) -> str:

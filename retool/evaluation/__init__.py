@@ -1,0 +1,1 @@
+"""Scores with intervals, per-step metrics, queries over a run folder, and the report."""

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import polars as pl
 
+from retool.files.layout import METRICS, OBSERVATIONS, SUMMARY, TRAJECTORIES, RunFolder
 
-def _scan(run: str | Path, pattern: str) -> pl.LazyFrame | None:
-    paths = sorted(Path(run).glob(pattern))
+
+def _scan(paths: list[Path]) -> pl.LazyFrame | None:
     return pl.scan_parquet(paths, hive_partitioning=True) if paths else None
 
 
@@ -18,13 +19,13 @@ def _empty(**schema) -> pl.DataFrame:
 
 def metrics_by_step(run: str | Path) -> pl.DataFrame:
     """One row per training step: the columns of step=NNNN/metrics.parquet."""
-    scan = _scan(run, "step=*/metrics.parquet")
+    scan = _scan(RunFolder(Path(run)).step_files(METRICS))
     return scan.collect().sort("step") if scan is not None else _empty(step=pl.Int64)
 
 
 def tool_success_by_round(run: str | Path) -> pl.DataFrame:
     """Per step and round: calls run, and the share that ended ok, in error, or timed out."""
-    scan = _scan(run, "step=*/shard=*/round=*/observations.parquet")
+    scan = _scan(RunFolder(Path(run)).round_files(OBSERVATIONS))
     if scan is None:
         return _empty(step=pl.Int32, round=pl.Int32, calls=pl.UInt32)
     return (
@@ -44,7 +45,7 @@ def tool_success_by_round(run: str | Path) -> pl.DataFrame:
 
 def sandbox_error_kinds(run: str | Path) -> pl.DataFrame:
     """Failed calls by the exception named on the last line of their output (Timeout for timeouts)."""
-    scan = _scan(run, "step=*/shard=*/round=*/observations.parquet")
+    scan = _scan(RunFolder(Path(run)).round_files(OBSERVATIONS))
     if scan is None:
         return _empty(error=pl.String, calls=pl.UInt32)
     return (
@@ -69,7 +70,7 @@ def sandbox_error_kinds(run: str | Path) -> pl.DataFrame:
 
 def length_distributions(run: str | Path) -> pl.DataFrame:
     """Per step: quantiles of trajectory length, of the model's own tokens, and of turns."""
-    scan = _scan(run, "step=*/trajectories.parquet")
+    scan = _scan(RunFolder(Path(run)).step_files(TRAJECTORIES))
     if scan is None:
         return _empty(step=pl.Int32)
     columns = ("trajectory_tokens", "sampled_tokens", "num_turns")
@@ -86,7 +87,7 @@ def length_distributions(run: str | Path) -> pl.DataFrame:
 
 def trajectory_lengths(run: str | Path) -> pl.DataFrame:
     """One row per trajectory: its step and its length in tokens (prompt, turns and observations)."""
-    scan = _scan(run, "step=*/trajectories.parquet")
+    scan = _scan(RunFolder(Path(run)).step_files(TRAJECTORIES))
     if scan is None:
         return _empty(step=pl.Int32, trajectory_tokens=pl.Int64)
     return scan.select("step", "trajectory_tokens").sort("step").collect()
@@ -94,7 +95,7 @@ def trajectory_lengths(run: str | Path) -> pl.DataFrame:
 
 def solve_rates(run: str | Path) -> pl.DataFrame:
     """Per question (example_id) and step: the share of its group that was correct."""
-    scan = _scan(run, "step=*/trajectories.parquet")
+    scan = _scan(RunFolder(Path(run)).step_files(TRAJECTORIES))
     if scan is None:
         return _empty(example_id=pl.String, step=pl.Int32, solve_rate=pl.Float64)
     return (
@@ -107,7 +108,7 @@ def solve_rates(run: str | Path) -> pl.DataFrame:
 
 def worst_trajectories(run: str | Path, count: int = 10) -> pl.DataFrame:
     """Wrong trajectories that cost the most tokens, with how they ended: the ones to read first."""
-    scan = _scan(run, "step=*/trajectories.parquet")
+    scan = _scan(RunFolder(Path(run)).step_files(TRAJECTORIES))
     if scan is None:
         return _empty(step=pl.Int32)
     return (
@@ -135,7 +136,7 @@ def eval_by_checkpoint(run: str | Path) -> pl.DataFrame:
     """Every evaluation summary of the run: data set, mode, checkpoint step (-1 = base or the cold start),
     metrics, `evaluation` (its folder, e.g. `synthetic_eval-1a2b3c4d5e/retool-n4`: data and sampling), and
     `position`, the policy's place in training order (base -2, cold start -1, then steps)."""
-    paths = sorted(Path(run).glob("eval/*/*/step=*/summary.parquet"))
+    paths = RunFolder(Path(run)).evaluation_files(SUMMARY)
     if not paths:
         return _empty(evaluation=pl.String, dataset=pl.String, mode=pl.String, step=pl.Int64, position=pl.Int64)
     evals = pl.concat(

@@ -14,22 +14,21 @@ from retool.files.atomic import write_text_atomically
 from retool.rollout.state import STOP_REASONS, zero_variance_groups
 from retool.training.record import StepMetrics
 
-TIMINGS = "_timings"  # per-stage wall times, one small JSON file per finished task
 
-
-def record_stage_seconds(step_folder: Path, task_id: str, stage: str, seconds: float, parquet_seconds: float) -> None:
-    """Wall time of one finished task's run(), and the part of it spent reading and writing Parquet."""
+def record_stage_seconds(timings: Path, task_id: str, stage: str, seconds: float, parquet_seconds: float) -> None:
+    """Wall time of one finished task's run(), and the part of it spent reading and writing Parquet, as one
+    file in the step's folder of timings."""
     entry = {"stage": stage, "seconds": seconds, "parquet_seconds": parquet_seconds}
-    write_text_atomically(step_folder / TIMINGS / f"{task_id}.json", json.dumps(entry))
+    write_text_atomically(timings / f"{task_id}.json", json.dumps(entry))
 
 
-def stage_timings(step_folder: Path) -> list[dict]:
-    return [json.loads(path.read_text()) for path in sorted((step_folder / TIMINGS).glob("*.json"))]
+def stage_timings(timings: Path) -> list[dict]:
+    return [json.loads(path.read_text()) for path in sorted(timings.glob("*.json"))]
 
 
-def stage_seconds(step_folder: Path) -> dict[str, float]:
+def stage_seconds(timings: Path) -> dict[str, float]:
     totals: Counter[str] = Counter()
-    for entry in stage_timings(step_folder):
+    for entry in stage_timings(timings):
         totals[entry["stage"]] += entry["seconds"]
     return dict(totals)
 
@@ -76,9 +75,7 @@ def step_metrics(
         {f"train_{name}": value for name, value in training_fields.items() if name not in ("trajectories", "seconds")}
     )
     metrics["train_skipped"] = bool(training.skipped)
-    for stage in ("Prompts", "SampleRound", "ExecuteRound", "ScoreTrajectories", "BuildDatums"):
-        metrics[f"seconds_{stage}"] = seconds.get(stage, 0.0)
-    metrics["seconds_TrainStep"] = training.seconds
+    metrics.update({f"seconds_{stage}": stage_time for stage, stage_time in seconds.items()})
     return metrics
 
 

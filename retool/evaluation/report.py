@@ -23,6 +23,7 @@ from retool.evaluation.analysis import (  # noqa: E402
     worst_trajectories,
 )
 from retool.files.atomic import write_text_atomically  # noqa: E402
+from retool.files.layout import RunFolder  # noqa: E402
 from retool.rollout.state import STOP_REASONS  # noqa: E402
 
 PLOTS = ("reward.png", "diagnostics.png", "tool_use.png", "sandbox.png", "lengths.png", "eval.png")
@@ -233,7 +234,7 @@ def make_report(run: str | Path, out: str | Path | None = None) -> Path:
     run = Path(run)
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such run folder")
-    out = Path(out) if out else run / "report"
+    out = Path(out) if out else RunFolder(run).report()
     out.mkdir(parents=True, exist_ok=True)
     metrics, evals, errors = metrics_by_step(run), eval_by_checkpoint(run), sandbox_error_kinds(run)
     figures = (

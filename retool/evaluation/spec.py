@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
-from retool.config.rollout import SEED_FIELDS, RolloutConfig
+from retool.config.rollout import RolloutConfig, seed_capacity
 from retool.config.settings import RunSettings, SettingsError
 from retool.data.examples import MathExample, read_examples
 from retool.evaluation.scores import EVAL_MODES
@@ -67,7 +67,7 @@ def rollout_settings(settings: RunSettings, evaluation: EvalSpec | None) -> RunS
     if evaluation is None:
         return settings
     questions = len(evaluation.examples())
-    limit = 2 ** dict(SEED_FIELDS)["question_index"]
+    limit = seed_capacity("question_index")
     if questions > limit:
         raise SettingsError(
             f"evaluation dataset {evaluation.dataset}: {questions} questions, over the {limit} one evaluation can "

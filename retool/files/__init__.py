@@ -1,0 +1,1 @@
+"""Files on disk: the run folder's layout, the Parquet contract, atomic writes."""

@@ -1,51 +1,153 @@
-"""The layout of a run folder: where a rollout's files live, which questions it asks and which policy
-it samples, for a training step or an evaluation of a checkpoint (its own namespace, never mixed
-with training files)."""
+"""The run folder: every file a run writes, named here once. Hive-style folder names (step=0003, shard=00,
+round=01) let one glob read a kind of file across a run, with the folder names as columns:
+
+    runs/<run>/config.json                              the settings that shape results, frozen by the first command
+    runs/<run>/sft/examples.parquet, losses.parquet     the cold start: its examples, the loss of every step
+    runs/<run>/sft/checkpoint/, progress/               its weights, and its last resume point
+    runs/<run>/step=NNNN/prompts.parquet                a training step: its questions
+    runs/<run>/step=NNNN/shard=SS/round=RR/samples.parquet, observations.parquet
+    runs/<run>/step=NNNN/trajectories.parquet, datums.parquet, metrics.parquet, checkpoint/
+    runs/<run>/eval/<data>-<hash>/<mode>-n<N>/step=NNNN|base|sft/...   an evaluation: the same files, summary.parquet
+    runs/<run>/report/step=NNNN/                        plots and report.md
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
-from retool.config.settings import RunSettings
-from retool.evaluation.spec import EvalSpec
-from retool.weights.models import resolve_model
+PROMPTS = "prompts.parquet"
+SAMPLES = "samples.parquet"
+OBSERVATIONS = "observations.parquet"
+TRAJECTORIES = "trajectories.parquet"
+DATUMS = "datums.parquet"
+METRICS = "metrics.parquet"
+SUMMARY = "summary.parquet"
+SFT_EXAMPLES = "examples.parquet"
+SFT_LOSSES = "losses.parquet"
+CHECKPOINT = "checkpoint"
+TIMINGS = "_timings"  # per-stage wall times, one small JSON file per finished task
+ROUNDS = "shard=*/round=*"  # every round folder of one step folder
+STEPS = "step=*"  # every training step folder of a run
 
 
-def step_folder(settings: RunSettings, step: int, evaluation: EvalSpec | None = None) -> Path:
-    if evaluation is None:
-        return settings.run_dir / f"step={step:04d}"
-    name = ("sft" if evaluation.sft else "base") if step < 0 else f"{step:04d}"
-    return settings.run_dir / "eval" / evaluation.name / f"step={name}"
+@dataclass(frozen=True)
+class StepFolder:
+    """The files of one step: a training step, an evaluation of one checkpoint, or the cold start."""
+
+    path: Path
+
+    def round(self, shard: int, round_index: int) -> Path:
+        return self.path / f"shard={shard:02d}" / f"round={round_index:02d}"
+
+    def samples(self, shard: int, round_index: int) -> Path:
+        return self.round(shard, round_index) / SAMPLES
+
+    def observations(self, shard: int, round_index: int) -> Path:
+        return self.round(shard, round_index) / OBSERVATIONS
+
+    def all_observations(self) -> list[Path]:
+        return sorted(self.path.glob(f"{ROUNDS}/{OBSERVATIONS}"))
+
+    @property
+    def prompts(self) -> Path:
+        return self.path / PROMPTS
+
+    @property
+    def trajectories(self) -> Path:
+        return self.path / TRAJECTORIES
+
+    @property
+    def datums(self) -> Path:
+        return self.path / DATUMS
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def summary(self) -> Path:
+        return self.path / SUMMARY
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.path / CHECKPOINT
+
+    @property
+    def timings(self) -> Path:
+        return self.path / TIMINGS
+
+    @property
+    def sft_examples(self) -> Path:
+        return self.path / SFT_EXAMPLES
+
+    @property
+    def sft_losses(self) -> Path:
+        return self.path / SFT_LOSSES
+
+    @property
+    def sft_progress(self) -> Path:
+        """The cold start's last resume point, a checkpoint of its own."""
+        return self.path / "progress"
 
 
-def round_dir(step_folder: Path, shard: int, round_index: int) -> Path:
-    return step_folder / f"shard={shard:02d}" / f"round={round_index:02d}"
+@dataclass(frozen=True)
+class RunFolder:
+    """runs/<run>: the run's settings, its steps, the cold start, evaluations and reports."""
 
+    path: Path
 
-def checkpoint_dir(settings: RunSettings, step: int) -> Path:
-    return step_folder(settings, step) / "checkpoint"
+    @property
+    def config(self) -> Path:
+        return self.path / "config.json"
 
+    @property
+    def server_record(self) -> Path:
+        """The address of the run's vLLM server, for every command that samples through it."""
+        return self.path / "sampler-server.json"
 
-def sft_folder(settings: RunSettings) -> Path:
-    return settings.run_dir / "sft"
+    @property
+    def server_log(self) -> Path:
+        return self.path / "sampler-server.log"
 
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / "tensorboard"
 
-def sft_checkpoint(settings: RunSettings) -> Path:
-    return sft_folder(settings) / "checkpoint"
+    def step(self, step: int) -> StepFolder:
+        return StepFolder(self.path / f"step={step:04d}")
 
+    @property
+    def sft(self) -> StepFolder:
+        return StepFolder(self.path / "sft")
 
-def policy_checkpoint(settings: RunSettings, step: int, evaluation: EvalSpec | None) -> Path | None:
-    """Training step s samples from checkpoint s-1, step 0 from the cold-start checkpoint (if the run
-    has one) or the base model; an evaluation of step s from checkpoint s, of step -1 from the base
-    model or (sft) the cold-start checkpoint."""
-    source = step if evaluation is not None else step - 1
-    if source >= 0:
-        return checkpoint_dir(settings, source)
-    wants_sft = evaluation.sft if evaluation is not None else bool(settings.cold_start.data)
-    return sft_checkpoint(settings) if wants_sft else None
+    def evaluations(self, name: str) -> Path:
+        """The folder of one evaluation (data set and sampling): one step folder per checkpoint it scored."""
+        return self.path / "eval" / name
 
+    def evaluation(self, name: str, step: int, sft: bool = False) -> StepFolder:
+        """Evaluation `name` of checkpoint `step`; step -1: the base model, or (sft) the cold start's."""
+        label = ("sft" if sft else "base") if step < 0 else f"{step:04d}"
+        return StepFolder(self.evaluations(name) / f"step={label}")
 
-def rl_base_model(settings: RunSettings) -> Path:
-    """The weights RL starts from, which LoRA adapters of its checkpoints apply to: the cold-start
-    checkpoint's full weights, or the model setting."""
-    return sft_checkpoint(settings) / "model" if settings.cold_start.data else resolve_model(settings.model.name)
+    def before_after(self, name: str, step: int) -> Path:
+        return self.evaluations(name) / f"before_after-step={step:04d}.md"
+
+    def report(self, step: int | None = None) -> Path:
+        """The report made after training step `step`; None: the one `python -m retool report` makes."""
+        return self.path / "report" / (f"step={step:04d}" if step is not None else "")
+
+    def glob(self, pattern: str) -> list[Path]:
+        return sorted(self.path.glob(pattern))
+
+    def step_files(self, name: str) -> list[Path]:
+        """One kind of file of every training step: step_files(TRAJECTORIES)."""
+        return self.glob(f"{STEPS}/{name}")
+
+    def round_files(self, name: str) -> list[Path]:
+        """One kind of round file of every training step: round_files(OBSERVATIONS)."""
+        return self.glob(f"{STEPS}/{ROUNDS}/{name}")
+
+    def evaluation_files(self, name: str) -> list[Path]:
+        """One kind of file of every evaluation of every checkpoint: evaluation_files(SUMMARY)."""
+        return self.glob(f"eval/*/*/step=*/{name}")

@@ -1,128 +1,24 @@
-"""The tool protocol: prompts rendered with the model's chat template, tool-call parsing, and the
-token-exact continuation after a tool observation."""
+"""Prompts rendered with the model's chat template (the tool declared), and the token-exact continuation
+after a tool observation (tool calls themselves: retool.protocol.tool_calls)."""
 
 from __future__ import annotations
 
 import json
-import re
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
-TOOL_NAME = "code_interpreter"
-CODE_INTERPRETER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": TOOL_NAME,
-        "description": (
-            "Runs Python 3 code in a fresh process and returns what it prints (stdout, then stderr). "
-            "The value of a trailing expression is printed. sympy and numpy are available."
-        ),
-        "parameters": {
-            "type": "object",
-            "properties": {"code": {"type": "string", "description": "The Python code to run."}},
-            "required": ["code"],
-        },
-    },
-}
+from retool.protocol.tool_calls import CODE_INTERPRETER_TOOL, PROTOCOL_TAGS, TOOL_FORMATS, TOOL_NAME
+
 TEXT_ONLY_SYSTEM_PROMPT = "Solve the math problem step by step. Put the final answer in \\boxed{}."
 SYSTEM_PROMPT = (
     "Solve the math problem step by step. You can call the code_interpreter tool to run Python "
     "for calculations and checks; its output comes back to you. Put the final answer in \\boxed{}."
 )
-TOOL_FORMATS = ("xml", "hermes")
-PROTOCOL_TAGS = (
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-)  # never let tool output fake them
 BUNDLED_TEMPLATE = Path(__file__).with_name("templates") / "chatml_tools.jinja"
 _PLACEHOLDER = "\u2063RETOOL-ASSISTANT-PLACEHOLDER\u2063"  # never produced by a model
-_XML_CALL = re.compile(r"^\s*<function=([^>\n]+)>\s*(.*?)\s*</function>\s*$", re.DOTALL)
-_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
-_CODE_FENCE = re.compile(r"^\s*```(?:python|py)?[ \t]*\n(.*?)\n?```\s*$", re.DOTALL)
 
 
 class TemplateError(ValueError):
     """The chat template cannot give a token-exact continuation."""
-
-
-@dataclass(frozen=True)
-class ParsedAssistant:
-    kind: str  # tool | answer | invalid
-    code: str | None = None  # the code to run, for kind == "tool"
-    error: str | None = None  # why the turn is invalid, for kind == "invalid"
-
-
-def _strip_fence(code: str) -> str:
-    fenced = _CODE_FENCE.match(code)
-    return fenced.group(1) if fenced else code
-
-
-def _parse_xml_call(body: str) -> tuple[str | None, str]:
-    call = _XML_CALL.match(body)
-    if not call:
-        return None, "tool call is not <function=NAME>...</function>"
-    if call.group(1).strip() != TOOL_NAME:
-        return None, f"unknown function {call.group(1).strip()!r}"
-    parameters = _XML_PARAMETER.findall(call.group(2))
-    if [name.strip() for name, _ in parameters] != ["code"]:
-        return None, "tool call needs exactly one <parameter=code>"
-    return parameters[0][1], ""
-
-
-def _parse_hermes_call(body: str) -> tuple[str | None, str]:
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError as error:
-        return None, f"tool call is not valid JSON ({error.msg})"
-    if not isinstance(call, dict) or call.get("name") != TOOL_NAME:
-        return None, f"unknown function {call.get('name') if isinstance(call, dict) else call!r}"
-    arguments = call.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return None, "tool call arguments are not valid JSON"
-    if not isinstance(arguments, dict) or not isinstance(arguments.get("code"), str):
-        return None, "tool call arguments need a string 'code'"
-    return arguments["code"], ""
-
-
-def parse_assistant(text: str, tool_format: str = "auto") -> ParsedAssistant:
-    """Classifies one assistant turn: exactly one well-formed call with nothing after it is a tool
-    call; no call at all is an answer; anything else is invalid."""
-    opens, closes = text.count("<tool_call>"), text.count("</tool_call>")
-    if opens == 0 and closes == 0:
-        return ParsedAssistant("answer")
-    if opens != 1 or closes > 1:
-        return ParsedAssistant("invalid", error="exactly one tool call per turn is allowed")
-    if closes == 0:
-        return ParsedAssistant("invalid", error="tool call is not closed with </tool_call>")
-    head, _, tail = text.partition("<tool_call>")
-    body, _, after = tail.partition("</tool_call>")
-    if "</tool_call>" in head:
-        return ParsedAssistant("invalid", error="</tool_call> before <tool_call>")
-    if after.strip():
-        return ParsedAssistant("invalid", error="text after the tool call")
-    fmt = tool_format if tool_format != "auto" else ("xml" if body.lstrip().startswith("<function=") else "hermes")
-    code, error = _parse_xml_call(body) if fmt == "xml" else _parse_hermes_call(body)
-    if code is None:
-        return ParsedAssistant("invalid", error=error)
-    code = _strip_fence(code)
-    if not code.strip():
-        return ParsedAssistant("invalid", error="tool call has empty code")
-    return ParsedAssistant("tool", code=code)
-
-
-def tool_call_text(code: str, tool_format: str, preamble: str = "") -> str:
-    """An assistant turn that calls the tool, written as a model is taught to write it."""
-    if tool_format == "xml":
-        body = f"<function={TOOL_NAME}>\n<parameter=code>\n{code}\n</parameter>\n</function>"
-    else:
-        body = json.dumps({"name": TOOL_NAME, "arguments": {"code": code}})
-    return f"{preamble}\n<tool_call>\n{body}\n</tool_call>" if preamble else f"<tool_call>\n{body}\n</tool_call>"
 
 
 def load_tokenizer(path: str | Path):
@@ -151,18 +47,6 @@ def _tools_block(tool_format: str) -> str:
         f"<tools>\n{json.dumps(CODE_INTERPRETER_TOOL)}\n</tools>\n\n"
         f"To call it, reply with exactly this format, and write nothing after it:\n{call}"
     )
-
-
-ZERO_WIDTH_SPACE = "\u200b"
-
-
-def neutralise(text: str, forbidden: Sequence[str]) -> str:
-    """Breaks every occurrence of a special token or protocol tag so it reads the same but cannot
-    tokenize to the real token (a zero-width space after its first character)."""
-    for token in sorted(forbidden, key=len, reverse=True):
-        if len(token) > 1 and token in text:
-            text = text.replace(token, token[0] + ZERO_WIDTH_SPACE + token[1:])
-    return text
 
 
 class ChatProtocol:

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from retool.config.rollout import RolloutConfig, sample_seed
 from retool.data.examples import MathExample
 from retool.data.reward import last_boxed, score_answer
-from retool.protocol.chat import ChatProtocol, neutralise, parse_assistant
-from retool.sampling.contract import SampledSequence, Sampler, SampleRequest, sample_checked
+from retool.protocol.chat import ChatProtocol
+from retool.protocol.tool_calls import neutralise, parse_assistant
+from retool.sampling.contract import SampledSequence, Sampler, SampleRequest, SamplingSettings, sample_checked
 from retool.sandbox.call import ExecutionResult, Sandbox
 
 STOP_REASONS = (
@@ -100,6 +101,11 @@ class PendingExecution:
     assistant_text: str  # scored as the final text if the observation cannot be appended
     prompt_tokens: list[int]  # P(i)
     completion_tokens: list[int]  # C(i)
+
+
+def sampling_settings(config: RolloutConfig, protocol: ChatProtocol) -> SamplingSettings:
+    """How every turn samples: the run's temperature and top_p, stopping at the protocol's end of turn."""
+    return SamplingSettings(config.temperature, config.top_p, protocol.stop_token_ids, protocol.stop_strings)
 
 
 def start_trajectories(
@@ -372,7 +378,7 @@ def rollout_in_memory(
     """The whole state machine in one process: rounds until every trajectory ends, then rewards, then
     advantages. The pipeline runs the same steps one stage at a time and must give the same result."""
     trajectories = start_trajectories(examples, protocol, config)
-    settings = config.sampling_settings(protocol)
+    settings = sampling_settings(config, protocol)
     round_index = 0
     while requests := plan_requests(trajectories, protocol, config, step):
         replies = sample_checked(sampler, requests, settings)

@@ -5,8 +5,8 @@ worker processes, which then share the tokenizer and the sandbox's pre-warmed se
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from retool.config.sandbox import SandboxConfig
@@ -14,7 +14,7 @@ from retool.config.settings import ModelConfig, RunSettings, SettingsError, chec
 from retool.data.conversations import read_conversations
 from retool.data.examples import MathExample, shuffled, take_batch
 from retool.evaluation.spec import EvalSpec, _examples, rollout_settings
-from retool.files.layout import policy_checkpoint, round_dir, sft_folder, step_folder
+from retool.files.layout import RunFolder, StepFolder
 from retool.files.tables import OBSERVATIONS, PROMPTS, SAMPLES, read_table
 from retool.protocol.chat import ChatProtocol, load_tokenizer
 from retool.rollout.replay import RoundFiles, replay
@@ -24,6 +24,7 @@ from retool.sampling import engines
 from retool.sampling.contract import Sampler
 from retool.sampling.server import server_urls
 from retool.sandbox.call import Sandbox
+from retool.weights.checkpoint import Checkpoint, Policy
 from retool.weights.models import resolve_model
 
 log = logging.getLogger(__name__)
@@ -60,26 +61,43 @@ class RunContext:
     step: int  # the training step, or the checkpoint an evaluation scores (-1: the base or cold-start model)
     evaluation: EvalSpec | None = None  # None: a training step
     cold_start: bool = False  # a stage of the cold start (folder runs/<run>/sft/)
+    settings: RunSettings = field(init=False)  # those this task's rollout runs under (see rollout_settings)
 
     def __post_init__(self) -> None:
         if self.evaluation is not None and self.evaluation.sft and (self.step != -1 or not self.run.cold_start.data):
             raise SettingsError(
                 "--sft evaluates the cold-start checkpoint: it needs --step -1 and a run with [cold_start] data set"
             )
-
-    @cached_property
-    def settings(self) -> RunSettings:
-        """Those this task's rollout runs under: an evaluation asks its own questions, n times each."""
-        return rollout_settings(self.run, self.evaluation)
-
-    @cached_property
-    def folder(self) -> Path:
-        return sft_folder(self.run) if self.cold_start else step_folder(self.run, self.step, self.evaluation)
+        # An evaluation asks its own questions, n times each: its data file is read here, when the task is made.
+        object.__setattr__(self, "settings", rollout_settings(self.run, self.evaluation))
 
     @property
-    def policy(self) -> Path | None:
-        """The checkpoint this task's rollout samples from (None: the base model)."""
-        return policy_checkpoint(self.run, self.step, self.evaluation)
+    def run_folder(self) -> RunFolder:
+        return RunFolder(self.run.run_dir)
+
+    @property
+    def folder(self) -> StepFolder:
+        if self.cold_start:
+            return self.run_folder.sft
+        if self.evaluation is None:
+            return self.run_folder.step(self.step)
+        return self.run_folder.evaluation(self.evaluation.name, self.step, self.evaluation.sft)
+
+    @property
+    def policy_checkpoint(self) -> Checkpoint | None:
+        """The checkpoint this task's rollout samples from (None: the model setting). Training step s samples
+        from checkpoint s-1, step 0 from the cold start's (if the run has one); an evaluation of step s from
+        checkpoint s, of step -1 from the model setting or (sft) the cold start's."""
+        source = self.step if self.evaluation is not None else self.step - 1
+        if source >= 0:
+            return Checkpoint(self.run_folder.step(source).checkpoint)
+        wants_sft = self.evaluation.sft if self.evaluation is not None else bool(self.run.cold_start.data)
+        return Checkpoint(self.run_folder.sft.checkpoint) if wants_sft else None
+
+    @property
+    def policy(self) -> Policy | None:
+        checkpoint = self.policy_checkpoint
+        return checkpoint.policy(rl_base_model(self.run)) if checkpoint is not None else None
 
     @property
     def protocol(self) -> ChatProtocol:
@@ -98,17 +116,18 @@ class RunContext:
 
     def round_files(self, shard: int, rounds: int) -> list[RoundFiles]:
         """The samples and observations of the first `rounds` rounds of one shard."""
-        folders = [round_dir(self.folder, shard, round_index) for round_index in range(rounds)]
         return [
-            RoundFiles(read_table(f / "samples.parquet", SAMPLES), read_table(f / "observations.parquet", OBSERVATIONS))
-            for f in folders
+            RoundFiles(
+                read_table(self.folder.samples(shard, r), SAMPLES),
+                read_table(self.folder.observations(shard, r), OBSERVATIONS),
+            )
+            for r in range(rounds)
         ]
 
     def trajectories(self, shard: int, rounds: int) -> list[Trajectory]:
         """The shard's trajectories after `rounds` complete rounds, rebuilt from the files."""
-        rollout = self.settings.rollout
-        prompts = read_table(self.folder / "prompts.parquet", PROMPTS)
-        return replay(prompts, self.round_files(shard, rounds), self.protocol, rollout, shard)
+        prompts = read_table(self.folder.prompts, PROMPTS)
+        return replay(prompts, self.round_files(shard, rounds), self.protocol, self.settings.rollout, shard)
 
     def all_trajectories(self) -> list[Trajectory]:
         rollout = self.settings.rollout
@@ -121,6 +140,14 @@ def context_for(
 ) -> RunContext:
     """A task's context; tasks ask for it often, so each is built once."""
     return RunContext(run, step, evaluation, cold_start)
+
+
+def rl_base_model(settings: RunSettings) -> Path:
+    """The weights RL starts from, which LoRA adapters of its checkpoints apply to: the cold-start
+    checkpoint's full weights, or the model setting."""
+    if settings.cold_start.data:
+        return Checkpoint(RunFolder(settings.run_dir).sft.checkpoint).model
+    return resolve_model(settings.model.name)
 
 
 @lru_cache(maxsize=4)

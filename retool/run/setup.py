@@ -11,66 +11,11 @@ from typing import Any
 
 from retool.config.settings import RunSettings, SettingsError, frozen
 from retool.files.atomic import write_text_atomically
+from retool.files.layout import RunFolder
+from retool.weights.checkpoint import MARKER
 from retool.weights.models import resolve_model
 
 log = logging.getLogger(__name__)
-
-# Where each setting of the flat [retool] section of earlier versions lives now: config.json files
-# written then still match, and a [retool] section in a config file is refused with the new place.
-FLAT_NAMES = {
-    **{name: ("run", name) for name in ("runs_dir", "device", "train_processes", "keep_last", "keep_every")},
-    "run": ("run", "name"),
-    "model": ("model", "name"),
-    **{
-        name: ("model", name)
-        for name in ("chat_template", "tool_format", "use_tools", "enable_thinking", "chat_template_kwargs")
-    },
-    "train_data": ("data", "train"),
-    "data_seed": ("data", "seed"),
-    "questions_per_step": ("data", "questions_per_step"),
-    "sampler": ("sampler", "engine"),
-    **{
-        name: ("rollout", name)
-        for name in (
-            "shards",
-            "group_size",
-            "max_code_calls",
-            "max_assistant_turns",
-            "max_trajectory_tokens",
-            "max_assistant_tokens",
-            "max_tool_response_tokens",
-            "temperature",
-            "top_p",
-            "seed",
-            "trainer_max_tokens",
-        )
-    },
-    **{
-        name: ("trainer", name)
-        for name in (
-            "lora_rank",
-            "lora_alpha",
-            "learning_rate",
-            "max_grad_norm",
-            "clip_low",
-            "clip_high",
-            "loss_aggregation",
-            "micro_batch_items",
-            "micro_batch_tokens",
-            "max_sampler_gap",
-            "tis_cap",
-            "filter_zero_variance_groups",
-            "gradient_checkpointing",
-        )
-    },
-    "trainer_dtype": ("trainer", "dtype"),
-    "cold_start_data": ("cold_start", "data"),
-    **{f"sft_{name}": ("cold_start", name) for name in ("steps", "batch_size", "learning_rate", "lora_rank")},
-    "sft_save_every": ("cold_start", "save_every"),
-    "sandbox_timeout_seconds": ("sandbox", "timeout_seconds"),
-    "sandbox_memory_mb": ("sandbox", "memory_mb"),
-    "sandbox_workers": ("sandbox", "max_workers"),
-}
 
 
 def check_machine(settings: RunSettings) -> None:
@@ -119,17 +64,6 @@ def workers_warning(settings: RunSettings, workers: int) -> str | None:
     )
 
 
-def nested(recorded: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """A config.json as sections; one written by an earlier version (flat names) is regrouped."""
-    if all(isinstance(value, dict) for value in recorded.values()):
-        return recorded
-    sections: dict[str, dict[str, Any]] = {}
-    for name, value in recorded.items():
-        section, field_name = FLAT_NAMES.get(name, ("unknown", name))
-        sections.setdefault(section, {})[field_name] = value
-    return sections
-
-
 def differences(recorded: dict[str, dict[str, Any]], wanted: dict[str, dict[str, Any]]) -> list[str]:
     """The settings whose frozen value differs; one added after the run was frozen counts at its default."""
     defaults = frozen(RunSettings())
@@ -145,15 +79,15 @@ def differences(recorded: dict[str, dict[str, Any]], wanted: dict[str, dict[str,
 
 def has_results(run_dir: Path) -> bool:
     """Whether any stage of the run has written its output (a Parquet table or a finished checkpoint)."""
-    return any(path.suffix == ".parquet" or path.name == "_SUCCESS" for path in run_dir.rglob("*"))
+    return any(path.suffix == ".parquet" or path.name == MARKER for path in run_dir.rglob("*"))
 
 
 def freeze(settings: RunSettings) -> None:
     """Writes runs/<run>/config.json on first use; afterwards refuses different settings."""
-    path = settings.run_dir / "config.json"
+    path = RunFolder(settings.run_dir).config
     wanted = frozen(settings)
     if path.exists():
-        differing = differences(nested(json.loads(path.read_text())), wanted)
+        differing = differences(json.loads(path.read_text()), wanted)
         if differing and has_results(settings.run_dir):
             raise SettingsError(
                 f"{path}: this run was started with other settings; differing: {', '.join(differing)}. Use the "

@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from retool.weights.checkpoint import Policy
+
 log = logging.getLogger(__name__)
 
 
@@ -44,8 +46,26 @@ class SampledSequence:
 
 
 class Sampler(Protocol):
+    """What every engine does: sample, switch to a policy, give its memory back while a step trains, close."""
+
     def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
         """One list of `request.num_samples` sequences per request, in request order."""
+        ...
+
+    def use_policy(self, policy: Policy | None) -> None:
+        """Samples from `policy` from now on; None: the model the engine was started with."""
+        ...
+
+    def sleep(self) -> None:
+        """Gives the accelerator memory it holds back to a training step in this process or on its GPU."""
+        ...
+
+    def wake(self) -> None:
+        """Takes the memory back; sampling wakes a sleeping engine too."""
+        ...
+
+    def close(self) -> None:
+        """Frees everything it holds, now rather than when the process ends."""
         ...
 
 

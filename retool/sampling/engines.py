@@ -8,18 +8,18 @@ from pathlib import Path
 
 from retool.config.sampler import engine_dtype
 from retool.config.settings import RunSettings, SettingsError
-from retool.files.layout import rl_base_model
 from retool.sampling.contract import Sampler
 from retool.sampling.server import server_urls
 from retool.sampling.server_client import ServerSampler
 from retool.sampling.vllm_engine import vllm_available
+from retool.weights.checkpoint import Policy
 from retool.weights.models import resolve_model
 
 
 def sampler_kind(settings: RunSettings) -> str:
     """`auto`: vllm on a GPU, where it must import (the transformers sampler would be far too slow to
     fall back to silently); hf on a CPU (configs/cpu.cfg sets vllm: faster on the default run, see
-    README, Performance). `scripted:MODULE:FUNCTION` replays a scripted policy, for tests and benchmarks."""
+    docs/performance.md). `scripted:MODULE:FUNCTION` replays a scripted policy, for tests and benchmarks."""
     engine, device = settings.sampler.engine, settings.run.device
     if engine.startswith("scripted:"):
         return "scripted"
@@ -43,19 +43,19 @@ def sampler_kind(settings: RunSettings) -> str:
 _engines: dict[tuple, Sampler] = {}  # one engine per process, reused by every task it runs
 
 
-def sampler_for(settings: RunSettings, policy: Path | None = None, shard: int = 0) -> Sampler:
-    """The process's engine, switched to `policy` (a checkpoint folder; None = the base model); with
-    vllm-server, a client of the shard's server."""
+def sampler_for(settings: RunSettings, policy: Policy | None = None, shard: int = 0) -> Sampler:
+    """The process's engine, switched to `policy` (None: the model setting); with vllm-server, a client of
+    the shard's server."""
     model_dir = resolve_model(settings.model.name)
     kind = sampler_kind(settings)
     urls = server_urls(settings) if kind == "vllm-server" else [""]
     key = (kind, settings.sampler, str(model_dir), settings.run.device, urls[shard % len(urls)])
     if key not in _engines:
-        _engines.clear()  # free the old engine before loading another
+        for engine in _engines.values():
+            engine.close()  # free the old engine before loading another
+        _engines.clear()
         _engines[key] = _load_engine(kind, settings, model_dir, urls[shard % len(urls)])
-    if hasattr(_engines[key], "use_policy"):
-        adapter = policy is not None and (policy / "adapter").is_dir()
-        _engines[key].use_policy(policy, rl_base_model(settings) if adapter else None)
+    _engines[key].use_policy(policy)
     return _engines[key]
 
 
@@ -68,14 +68,21 @@ def release_sampler_memory(settings: RunSettings) -> None:
 def reclaim_sampler_memory(settings: RunSettings) -> None:
     """Once the step's checkpoint is written: the run's servers wake up for the next round."""
     for engine in _samplers_holding_memory(settings):
-        if hasattr(engine, "wake"):
-            engine.wake()
+        engine.wake()
 
 
-def _samplers_holding_memory(settings: RunSettings) -> list:
+def _samplers_holding_memory(settings: RunSettings) -> list[Sampler]:
     if sampler_kind(settings) == "vllm-server":
-        return [sampler_for(settings, shard=shard) for shard in range(len(server_urls(settings)))]
-    return [engine for engine in _engines.values() if hasattr(engine, "sleep")]
+        return [_client(settings, shard) for shard in range(len(server_urls(settings)))]
+    return list(_engines.values())
+
+
+def _client(settings: RunSettings, shard: int) -> Sampler:
+    """The client of a shard's server, as the shard's rounds use it (its policy unchanged)."""
+    model_dir = resolve_model(settings.model.name)
+    urls = server_urls(settings)
+    key = ("vllm-server", settings.sampler, str(model_dir), settings.run.device, urls[shard % len(urls)])
+    return _engines.get(key) or _load_engine("vllm-server", settings, model_dir, urls[shard % len(urls)])
 
 
 def _load_engine(kind: str, settings: RunSettings, model_dir: Path, url: str) -> Sampler:

@@ -14,6 +14,7 @@ import torch
 
 from retool.sampling.contract import SampledSequence, SampleRequest, SamplingSettings
 from retool.sampling.progress import sampling_progress, set_tokens
+from retool.weights.checkpoint import Policy
 
 
 class HFSampler:
@@ -25,27 +26,31 @@ class HFSampler:
         self.dtype = dtype
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(self.device).eval()
-        self.policy: Path | None = None  # checkpoint whose weights are loaded; None = the base model
+        self.policy: Policy | None = None  # the policy whose weights are loaded; None = the model above
 
-    def use_policy(self, checkpoint: Path | None, adapter_base: Path | None = None) -> None:
-        """Samples from a training checkpoint from now on: its full weights, or its LoRA adapter merged
-        into the weights it was trained on (`adapter_base`, by default this sampler's model); merging
-        once makes sampling as fast as the base model."""
-        if checkpoint == self.policy:
+    def use_policy(self, policy: Policy | None) -> None:
+        """Loads the policy's weights, with its LoRA adapter merged into them: merging once makes sampling
+        as fast as the base model."""
+        if policy == self.policy:
             return
         from transformers import AutoModelForCausalLM
 
-        adapter = checkpoint is not None and (checkpoint / "adapter").is_dir()
-        if checkpoint is not None and (checkpoint / "model").is_dir():
-            weights = checkpoint / "model"
-        else:
-            weights = adapter_base if adapter and adapter_base is not None else self.model_path
+        weights = policy.weights if policy is not None else self.model_path
         model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=self.dtype)
-        if adapter:
+        if policy is not None and policy.adapter is not None:
             from peft import PeftModel
 
-            model = PeftModel.from_pretrained(model, str(checkpoint / "adapter")).merge_and_unload()
-        self.model, self.policy = model.to(self.device).eval(), checkpoint
+            model = PeftModel.from_pretrained(model, str(policy.adapter)).merge_and_unload()
+        self.model, self.policy = model.to(self.device).eval(), policy
+
+    def sleep(self) -> None:
+        pass  # a sampler for machines without vLLM: it keeps its model where it is
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.model = None
 
     def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
         if not requests:

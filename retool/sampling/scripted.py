@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from retool.sampling.contract import SampledSequence, SampleRequest, SamplingSettings
+from retool.weights.checkpoint import Policy
 
 Script = Callable[[SampleRequest, int], tuple[Sequence[int], Sequence[float]]]
 
@@ -19,6 +20,19 @@ class ScriptedSampler:
     script: Script
     seconds_per_token: float = 0.0  # simulated decode latency
     requests: list[SampleRequest] = field(default_factory=list)  # every request seen, in order
+    policy: Policy | None = None  # the policy it was last switched to (it replays the same script for any)
+
+    def use_policy(self, policy: Policy | None) -> None:
+        self.policy = policy
+
+    def sleep(self) -> None:
+        pass  # holds no accelerator memory
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
     def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
         replies = []

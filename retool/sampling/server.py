@@ -18,11 +18,11 @@ from pathlib import Path
 from retool.config.sampler import engine_dtype
 from retool.config.settings import RunSettings, SettingsError
 from retool.files.atomic import write_text_atomically
+from retool.files.layout import RunFolder
 from retool.sampling.server_client import is_healthy
 from retool.sampling.vllm_engine import CPU_ENVIRONMENT
 from retool.weights.models import resolve_model
 
-RECORD = "sampler-server.json"  # in the run folder: the address of the run's server
 START_TIMEOUT_SECONDS = 900.0  # a large model's first start compiles its CUDA graphs
 
 
@@ -94,11 +94,11 @@ def stop_server(process: subprocess.Popen) -> None:
 
 def write_record(settings: RunSettings, url: str, pid: int, started_by: str) -> None:
     record = {"url": url, "pid": pid, "started_by": started_by}
-    write_text_atomically(settings.run_dir / RECORD, json.dumps(record) + "\n")
+    write_text_atomically(RunFolder(settings.run_dir).server_record, json.dumps(record) + "\n")
 
 
 def recorded_url(settings: RunSettings) -> str | None:
-    path = settings.run_dir / RECORD
+    path = RunFolder(settings.run_dir).server_record
     return json.loads(path.read_text())["url"] if path.exists() else None
 
 
@@ -117,9 +117,10 @@ def server_urls(settings: RunSettings) -> list[str]:
     if not settings.sampler.start_server:
         raise SettingsError(
             "setting [sampler] engine = vllm-server: no server answers (none listed in [sampler] servers, none "
-            f"recorded in {settings.run_dir / RECORD}); start one with `python -m retool serve` or set start_server"
+            f"recorded in {RunFolder(settings.run_dir).server_record}); start one with `python -m retool serve` or "
+            "set start_server"
         )
-    process, url = start_server(settings, settings.sampler.server_port, settings.run_dir / "sampler-server.log")
+    process, url = start_server(settings, settings.sampler.server_port, RunFolder(settings.run_dir).server_log)
     write_record(settings, url, process.pid, "pipeline")
     atexit.register(stop_server, process)  # started by this command: stopped when it ends
     return [url]

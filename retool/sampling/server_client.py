@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +21,7 @@ import requests
 from retool.sampling.adapters import ADAPTER_WEIGHTS, adapter_for_engine
 from retool.sampling.contract import SampledSequence, SampleRequest, SamplingSettings
 from retool.sampling.progress import sampling_progress, set_tokens
+from retool.weights.checkpoint import Policy
 
 HEALTH_TIMEOUT_SECONDS = 5.0
 
@@ -59,34 +61,32 @@ class ServerSampler:
         self.request_timeout_seconds = request_timeout_seconds  # a hung server fails the call, then its retries
         self.base_model = served_model(self.url)  # what every request samples unless an adapter is loaded
         self.model = self.base_model  # the name requests are sampled under now
-        self.policy: Path | None = None
+        self.policy: Policy | None = None  # the policy sampled from; None = the server's own model
         self.weights = Path(self.base_model)  # the full weights the server holds now
         self._adapters = Path(tempfile.mkdtemp(prefix="retool-adapters-"))  # adapters renamed for the engine
         self._workers = workers  # HTTP calls at once, one per request: the server batches them
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0  # the process the pool's threads run in (a forked worker needs its own)
 
-    def use_policy(self, checkpoint: Path | None, adapter_base: Path | None = None) -> None:
-        """A LoRA checkpoint is loaded under a new name (the server caches adapters by name); full weights
-        are reloaded in place, which the vLLM CPU engine cannot do correctly (it keeps the weights its
-        kernels packed at start), so there a server serves only its own weights and adapters over them."""
-        if checkpoint == self.policy:
+    def use_policy(self, policy: Policy | None) -> None:
+        """A LoRA policy is loaded under a new name (the server caches adapters by name); full weights are
+        reloaded in place, which the vLLM CPU engine cannot do correctly (it keeps the weights its kernels
+        packed at start), so there a server serves only its own weights and adapters over them."""
+        if policy == self.policy:
             return
         self.wake()
-        adapter = checkpoint is not None and (checkpoint / "adapter").is_dir()
-        weights = (adapter_base or Path(self.base_model)) if adapter or checkpoint is None else checkpoint / "model"
-        self._load_weights(Path(weights))
+        self._load_weights(policy.weights if policy is not None else Path(self.base_model))
         self.model = self.base_model
-        if adapter:
+        if policy is not None and policy.adapter is not None:
             # Named by content: every process and command that serves this checkpoint loads the same name,
             # and an adapter trained again at the same path gets a new one (the server caches by name).
-            name = "policy-" + hashlib.sha256((checkpoint / "adapter" / ADAPTER_WEIGHTS).read_bytes()).hexdigest()[:16]
-            served = adapter_for_engine(checkpoint / "adapter", Path(self.base_model), self._adapters / name)
+            name = "policy-" + hashlib.sha256((policy.adapter / ADAPTER_WEIGHTS).read_bytes()).hexdigest()[:16]
+            served = adapter_for_engine(policy.adapter, Path(self.base_model), self._adapters / name)
             payload = {"lora_name": name, "lora_path": str(served)}
             _call("POST", self.url, "/v1/load_lora_adapter", self.request_timeout_seconds, json=payload)
             self.model = name
         _call("POST", self.url, "/reset_prefix_cache", self.request_timeout_seconds)
-        self.policy = checkpoint
+        self.policy = policy
 
     def _load_weights(self, weights: Path) -> None:
         if weights.resolve() == self.weights.resolve():
@@ -109,6 +109,13 @@ class ServerSampler:
     def wake(self) -> None:
         if self.device == "cuda":
             _call("POST", self.url, "/wake_up", self.request_timeout_seconds)
+
+    def close(self) -> None:
+        """Closes the client; the server itself goes on serving (whoever started it stops it)."""
+        if self._pool is not None and self._pool_pid == os.getpid():
+            self._pool.shutdown(wait=False)
+        self._pool, self._pool_pid = None, 0
+        shutil.rmtree(self._adapters, ignore_errors=True)
 
     def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
         if not requests:

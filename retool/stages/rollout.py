@@ -22,6 +22,7 @@ from retool.rollout.state import (
     assign_group_advantages,
     keep_groups,
     plan_requests,
+    sampling_settings,
     score_trajectory,
 )
 from retool.sampling.contract import SampledSequence, Sampler, SampleRequest, sample_checked
@@ -55,7 +56,7 @@ def sample_round(
     """SampleRound: one row per sampled sequence for every live trajectory with budget left. The
     engine is only loaded when there is something to sample."""
     requests = plan_requests(trajectories, protocol, config, step)
-    replies = sample_checked(get_sampler(), requests, config.sampling_settings(protocol)) if requests else []
+    replies = sample_checked(get_sampler(), requests, sampling_settings(config, protocol)) if requests else []
     rows = []
     for request, sequences in zip(requests, replies, strict=True):
         for group_index, sequence in zip(request.group_indices, sequences, strict=True):
@@ -218,28 +219,46 @@ def datums_table(trajectories: Sequence[Trajectory], scored: pa.Table, step: int
     return table_from_rows(rows, DATUMS)
 
 
-def describe(table: pa.Table) -> str:
-    """A one-line summary of a stage's output, for the log."""
-    names = set(table.schema.names)
-    if not table.num_rows:
-        return "no rows" + (" (no trajectory was live)" if "round" in names else "")
-    if "completion_tokens" in names:
-        tokens = sum(len(t) for t in table.column("completion_tokens").to_pylist())
-        return f"{table.num_rows} sequences, {tokens} sampled tokens"
-    if "exec_status" in names:
-        statuses = [s for s in table.column("exec_status").to_pylist() if s]
-        done = sum(table.column("done").to_pylist())
-        calls = f"{len(statuses)} tool calls ({statuses.count('ok')} ok)"
-        return f"{table.num_rows} trajectories, {calls}, {done} ended"
-    if "loss_mask" in names:
-        tokens = sum(table.column("num_tokens").to_pylist())
-        loss_tokens = sum(sum(m) for m in table.column("loss_mask").to_pylist())
-        kind = "SFT examples" if "line" in names else "datums"
-        return f"{table.num_rows} {kind}, {tokens} tokens, {loss_tokens} loss tokens"
-    if "reward" in names:
-        rewards = table.column("reward").to_pylist()
-        correct = sum(table.column("correct").to_pylist())
-        groups = {(q, k) for q, k in zip(table.column("question_index").to_pylist(), table.column("kept").to_pylist())}
-        kept = f", {sum(k for _, k in groups)} of {len(groups)} groups kept" if not all(k for _, k in groups) else ""
-        return f"{table.num_rows} trajectories, reward mean {sum(rewards) / len(rewards):+.3f}, correct {correct}{kept}"
-    return f"{table.num_rows} rows"
+# One-line summaries of each stage's output, for the log.
+
+
+def describe_prompts(prompts: pa.Table) -> str:
+    tokens = sum(len(t) for t in prompts.column("prompt_tokens").to_pylist())
+    return f"{prompts.num_rows} questions, {tokens} prompt tokens"
+
+
+def describe_samples(samples: pa.Table) -> str:
+    if not samples.num_rows:
+        return "no rows (no trajectory was live)"
+    tokens = sum(len(t) for t in samples.column("completion_tokens").to_pylist())
+    return f"{samples.num_rows} sequences, {tokens} sampled tokens"
+
+
+def describe_observations(observations: pa.Table) -> str:
+    if not observations.num_rows:
+        return "no rows (no trajectory was live)"
+    statuses = [s for s in observations.column("exec_status").to_pylist() if s]
+    done = sum(observations.column("done").to_pylist())
+    calls = f"{len(statuses)} tool calls ({statuses.count('ok')} ok)"
+    return f"{observations.num_rows} trajectories, {calls}, {done} ended"
+
+
+def describe_trajectories(trajectories: pa.Table) -> str:
+    if not trajectories.num_rows:
+        return "no rows"
+    rewards = trajectories.column("reward").to_pylist()
+    correct = sum(trajectories.column("correct").to_pylist())
+    groups = set(zip(trajectories.column("question_index").to_pylist(), trajectories.column("kept").to_pylist()))
+    kept = f", {sum(k for _, k in groups)} of {len(groups)} groups kept" if not all(k for _, k in groups) else ""
+    return (
+        f"{trajectories.num_rows} trajectories, reward mean {sum(rewards) / len(rewards):+.3f}, correct {correct}{kept}"
+    )
+
+
+def describe_datums(datums: pa.Table, kind: str = "datums") -> str:
+    """Datums, or (kind) the cold start's SFT examples, which have the same token and mask columns."""
+    if not datums.num_rows:
+        return "no rows"
+    tokens = sum(datums.column("num_tokens").to_pylist())
+    loss_tokens = sum(sum(m) for m in datums.column("loss_mask").to_pylist())
+    return f"{datums.num_rows} {kind}, {tokens} tokens, {loss_tokens} loss tokens"

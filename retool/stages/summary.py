@@ -3,6 +3,7 @@ of a run's evaluations with its report."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,26 +18,36 @@ from retool.evaluation.report import make_report
 from retool.evaluation.scores import before_after_markdown, paired_difference, question_groups, summarize_eval
 from retool.evaluation.spec import EvalSpec, content_hash
 from retool.files.atomic import write_text_atomically
+from retool.files.layout import RunFolder, StepFolder
 from retool.files.tables import OBSERVATIONS, TRAJECTORIES, read_table, write_table_atomically
 from retool.sandbox.call import Sandbox
 from retool.training.record import StepMetrics
 
 
-def metrics_stage(folder: Path, run_dir: Path, step: int, training: StepMetrics, sandbox: Sandbox) -> str:
-    """Writes step=NNNN/metrics.parquet (and TensorBoard scalars when available); returns its line."""
-    observations = [
-        read_table(path, OBSERVATIONS) for path in sorted(folder.glob("shard=*/round=*/observations.parquet"))
-    ]
+def metrics_stage(
+    folder: StepFolder,
+    run: RunFolder,
+    step: int,
+    training: StepMetrics,
+    sandbox: Sandbox,
+    stages: Sequence[str],
+    training_stage: str,
+) -> str:
+    """Writes the step's metrics.parquet (and TensorBoard scalars when available), with the wall time of each
+    of the rollout's `stages` (the names their timings were recorded under) and of the training stage;
+    returns its line."""
+    observations = [read_table(path, OBSERVATIONS) for path in folder.all_observations()]
+    seconds = stage_seconds(folder.timings)
     metrics = step_metrics(
         step,
-        read_table(folder / "trajectories.parquet", TRAJECTORIES),
+        read_table(folder.trajectories, TRAJECTORIES),
         pa.concat_tables(observations),
         training,
-        stage_seconds(folder),
+        {**{stage: seconds.get(stage, 0.0) for stage in stages}, training_stage: training.seconds},
     )
     metrics["sandbox_containment"] = sandbox.containment.describe()
-    write_table_atomically(metrics_table(metrics), folder / "metrics.parquet")
-    export_tensorboard(run_dir / "tensorboard", metrics)
+    write_table_atomically(metrics_table(metrics), folder.metrics)
+    export_tensorboard(run.tensorboard, metrics)
     return describe_step(metrics)
 
 
@@ -66,14 +77,14 @@ def training_sources(settings: RunSettings) -> frozenset[str]:
 
 
 def before_after_stage(
-    run_dir: Path, evaluations: list[tuple[str, Path]], trained_sources: frozenset[str], out: Path, report: Path
+    run_dir: Path, evaluations: list[tuple[str, StepFolder]], trained_sources: frozenset[str], out: Path, report: Path
 ) -> str:
     """The before/after table of a run's evaluations (label, evaluation folder; the last is the final
     policy, compared with each earlier one question by question), for in-family and held-out-family
     questions apart, written to `out`; then the run's report, evaluations included, under `report`.
     Returns the table."""
-    n = pq.read_table(evaluations[0][1] / "summary.parquet").column("n")[0].as_py()
-    trajectories = {label: read_table(folder / "trajectories.parquet", TRAJECTORIES) for label, folder in evaluations}
+    n = pq.read_table(evaluations[0][1].summary).column("n")[0].as_py()
+    trajectories = {label: read_table(folder.trajectories, TRAJECTORIES) for label, folder in evaluations}
     (final, _), earlier = evaluations[-1], evaluations[:-1]
     groups = []
     for group, final_part in question_groups(trajectories[final], trained_sources).items():

@@ -14,13 +14,14 @@ import pyarrow as pa
 
 from retool.config.settings import RunSettings, SettingsError
 from retool.data.conversations import read_conversations
-from retool.files.layout import checkpoint_dir, rl_base_model, sft_checkpoint, sft_folder, step_folder
 from retool.files.tables import DATUMS, SFT_EXAMPLES, TRAJECTORIES, read_table
 from retool.protocol.chat import ChatProtocol
 from retool.rollout.datums import datums_from_table
 from retool.rollout.state import zero_variance_groups
+from retool.run.context import rl_base_model
 from retool.training.cold_start import sft_datums, sft_examples_table, train_cold_start
 from retool.training.record import StepMetrics
+from retool.weights.checkpoint import Checkpoint
 from retool.weights.models import resolve_model
 
 
@@ -33,38 +34,37 @@ def sft_examples_stage(settings: RunSettings, protocol: ChatProtocol) -> tuple[p
     return table, skipped
 
 
-def cold_start_stage(settings: RunSettings, on_step=None) -> list[dict]:
-    """Supervised fine-tuning of the model setting on the SFT examples; resumes where it was stopped."""
-    folder = sft_folder(settings)
-    datums = sft_datums(read_table(folder / "examples.parquet", SFT_EXAMPLES))
+def cold_start_stage(settings: RunSettings, examples: Path, out: Path, progress: Path, on_step=None) -> list[dict]:
+    """Supervised fine-tuning of the model setting on the SFT examples into checkpoint `out`; resumes from
+    the resume point `progress` where it was stopped."""
     return train_cold_start(
         resolve_model(settings.model.name),
-        datums,
+        sft_datums(read_table(examples, SFT_EXAMPLES)),
         settings.sft_trainer(),
         settings.cold_start,
-        sft_checkpoint(settings),
-        folder / "progress",
+        out,
+        progress,
         settings.run.device,
         on_step,
     )
 
 
-def train_stage(settings: RunSettings, step: int) -> StepMetrics:
+def train_stage(
+    settings: RunSettings, datums: Path, trajectories: Path, previous: Path | None, out: Path, retained: list[Path]
+) -> StepMetrics:
+    """One PPO step from the step's datums, over the checkpoint `previous` (None: the RL base model), into
+    checkpoint `out`; then the retention policy over the run's checkpoints `retained`, oldest first."""
     from retool.training.checkpoints import prune_checkpoints  # torch: only once a step trains
     from retool.training.step import train_from_files
 
-    folder = step_folder(settings, step)
-    previous = checkpoint_dir(settings, step - 1) if step > 0 else None
-    kept = [row for row in read_table(folder / "trajectories.parquet", TRAJECTORIES).to_pylist() if row["kept"]]
+    kept = [row for row in read_table(trajectories, TRAJECTORIES).to_pylist() if row["kept"]]
     num_trajectories = len(kept)  # of the groups that train
     zero_variance = zero_variance_groups((row["question_index"], row["reward"]) for row in kept)
-    out = checkpoint_dir(settings, step)
     base_model = rl_base_model(settings)
     if settings.run.train_processes == 1:
-        datums = datums_from_table(read_table(folder / "datums.parquet", DATUMS))
         metrics = train_from_files(
             base_model,
-            datums,
+            datums_from_table(read_table(datums, DATUMS)),
             num_trajectories,
             previous,
             out,
@@ -73,12 +73,8 @@ def train_stage(settings: RunSettings, step: int) -> StepMetrics:
             zero_variance,
         )
     else:
-        metrics = _train_under_torchrun(
-            settings, base_model, folder / "datums.parquet", num_trajectories, zero_variance, previous, out
-        )
-    prune_checkpoints(
-        [(s, checkpoint_dir(settings, s)) for s in range(step + 1)], settings.run.keep_last, settings.run.keep_every
-    )
+        metrics = _train_under_torchrun(settings, base_model, datums, num_trajectories, zero_variance, previous, out)
+    prune_checkpoints(list(enumerate(retained)), settings.run.keep_last, settings.run.keep_every)
     return metrics
 
 
@@ -120,7 +116,7 @@ def _train_under_torchrun(
         subprocess.run(command, check=True)
     finally:
         Path(config_file.name).unlink()
-    return StepMetrics(**json.loads((out / "metrics.json").read_text()))
+    return StepMetrics(**json.loads(Checkpoint(out).metrics.read_text()))
 
 
 def describe_metrics(metrics: StepMetrics) -> str:

@@ -17,6 +17,7 @@ import torch
 
 from retool.config.trainer import TrainerConfig
 from retool.training.record import StepMetrics
+from retool.weights.checkpoint import TOKENIZER_FILES, Checkpoint
 
 
 def save_rng(path: Path) -> None:
@@ -47,26 +48,21 @@ def save_checkpoint(
         shutil.rmtree(stale, ignore_errors=True)
     temporary = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     temporary.mkdir(parents=True)
+    checkpoint = Checkpoint(temporary)
     for name, value in (extra or {}).items():
         (temporary / name).write_text(json.dumps(value, indent=1) + "\n")
     if hasattr(model, "peft_config"):
-        model.save_pretrained(temporary / "adapter")
+        model.save_pretrained(checkpoint.adapter)
     else:
-        model.save_pretrained(temporary / "model")
-        for name in (
-            "tokenizer.json",
-            "tokenizer_config.json",
-            "special_tokens_map.json",
-            "chat_template.jinja",
-            "generation_config.json",
-        ):
+        model.save_pretrained(checkpoint.model)
+        for name in TOKENIZER_FILES:
             if (tokenizer_source / name).exists():
-                shutil.copy(tokenizer_source / name, temporary / "model" / name)
-    torch.save(optimizer.state_dict(), temporary / "optimizer.pt")
-    save_rng(temporary / "rng.pt")
-    (temporary / "metrics.json").write_text(json.dumps(asdict(metrics), indent=2) + "\n")
-    (temporary / "trainer_config.json").write_text(json.dumps(asdict(config), indent=2) + "\n")
-    (temporary / "_SUCCESS").write_text("")
+                shutil.copy(tokenizer_source / name, checkpoint.model / name)
+    torch.save(optimizer.state_dict(), checkpoint.optimizer)
+    save_rng(checkpoint.rng)
+    checkpoint.metrics.write_text(json.dumps(asdict(metrics), indent=2) + "\n")
+    checkpoint.trainer_config.write_text(json.dumps(asdict(config), indent=2) + "\n")
+    checkpoint.marker.write_text("")
     if folder.exists():
         shutil.rmtree(folder)  # an incomplete or stale checkpoint from an earlier attempt
     temporary.rename(folder)
@@ -80,8 +76,7 @@ def prune_checkpoints(checkpoints: list[tuple[int, Path]], keep_last: int, keep_
     for step, folder in ordered[: max(0, len(ordered) - keep_last)]:
         if keep_every and step % keep_every == 0:
             continue
-        for name in ("adapter", "model", "optimizer.pt", "rng.pt"):
-            target = folder / name
+        for target in Checkpoint(folder).weights_and_state:
             if target.is_dir():
                 shutil.rmtree(target)
                 pruned.append(target)

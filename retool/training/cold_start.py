@@ -25,11 +25,13 @@ from retool.config.rollout import RolloutConfig
 from retool.data.conversations import Conversation, SolutionTurn
 from retool.data.examples import MathExample
 from retool.files.tables import SFT_EXAMPLES, SFT_LOSSES, table_from_rows
-from retool.protocol.chat import ChatProtocol, neutralise, tool_call_text
+from retool.protocol.chat import ChatProtocol
+from retool.protocol.tool_calls import neutralise, tool_call_text
 from retool.rollout.datums import Datum, build_datum, trajectory_sequence
 from retool.rollout.state import Trajectory, apply_samples, finish_advance, plan_requests, start_trajectories
 from retool.sampling.contract import SampledSequence
 from retool.sandbox.call import ExecutionResult
+from retool.weights.checkpoint import Checkpoint
 
 if TYPE_CHECKING:
     from retool.config.trainer import TrainerConfig
@@ -129,6 +131,9 @@ def batch_indices(num_examples: int, batch_size: int, step: int, seed: int) -> l
     return indices
 
 
+LOSSES = "losses.json"  # in a cold-start checkpoint: the loss of every step so far
+
+
 def train_cold_start(
     base_model: Path,
     datums: list[Datum],
@@ -145,10 +150,10 @@ def train_cold_start(
     from retool.training.checkpoints import save_checkpoint
     from retool.training.step import load_policy, release_memory, set_seed, train_step
 
-    if (out / "_SUCCESS").exists():  # published, but the losses table was not written yet
-        return json.loads((out / "losses.json").read_text())
-    resume = progress if (progress / "_SUCCESS").exists() else None
-    losses = json.loads((progress / "losses.json").read_text()) if resume else []
+    if Checkpoint(out).marker.exists():  # published, but the losses table was not written yet
+        return json.loads((out / LOSSES).read_text())
+    resume = progress if Checkpoint(progress).marker.exists() else None
+    losses = json.loads((progress / LOSSES).read_text()) if resume else []
     if resume is None:
         set_seed(trainer.seed)
     model, optimizer = load_policy(base_model, resume, trainer, device)
@@ -169,10 +174,10 @@ def train_cold_start(
         if on_step:
             on_step(losses[-1])
         if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
-            save_checkpoint(progress, model, optimizer, metrics, trainer, base_model, extra={"losses.json": losses})
+            save_checkpoint(progress, model, optimizer, metrics, trainer, base_model, extra={LOSSES: losses})
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()  # RL starts from full weights, whatever the cold start trained
-    save_checkpoint(out, model, optimizer, metrics, trainer, base_model, extra={"losses.json": losses})
+    save_checkpoint(out, model, optimizer, metrics, trainer, base_model, extra={LOSSES: losses})
     shutil.rmtree(progress, ignore_errors=True)
     del model, optimizer
     release_memory(device)

@@ -26,6 +26,7 @@ from retool.training.losses import token_logprobs, token_loss
 from retool.training.memory_plan import check_plan, model_shape, plan_step
 from retool.training.packing import MicroBatch, loss_token_weights, pack_micro_batches
 from retool.training.record import StepMetrics
+from retool.weights.checkpoint import Checkpoint, Policy
 
 
 def _rank_and_world() -> tuple[int, int]:
@@ -45,8 +46,8 @@ def load_policy(base_model: Path, previous: Path | None, config: TrainerConfig, 
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, resolved_dtype(config.dtype, device))
-    weights = previous / "model" if previous is not None and config.lora_rank == 0 else base_model
-    model = AutoModelForCausalLM.from_pretrained(str(weights), dtype=dtype).to(device)
+    policy = Checkpoint(previous).policy(base_model) if previous is not None else Policy(base_model)
+    model = AutoModelForCausalLM.from_pretrained(str(policy.weights), dtype=dtype).to(device)
     return prepare_policy(model, previous, config, device)
 
 
@@ -59,7 +60,7 @@ def prepare_policy(model, previous: Path | None, config: TrainerConfig, device: 
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if config.lora_rank:
         if previous is not None:
-            model = PeftModel.from_pretrained(model, str(previous / "adapter"), is_trainable=True)
+            model = PeftModel.from_pretrained(model, str(Checkpoint(previous).adapter), is_trainable=True)
         else:
             torch.manual_seed(config.seed)  # LoRA's A matrices start random
             lora = LoraConfig(
@@ -73,8 +74,9 @@ def prepare_policy(model, previous: Path | None, config: TrainerConfig, device: 
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(parameters, lr=config.learning_rate, betas=(config.beta1, config.beta2))
     if previous is not None:
-        optimizer.load_state_dict(torch.load(previous / "optimizer.pt", map_location=device, weights_only=True))
-        restore_rng(previous / "rng.pt")
+        checkpoint = Checkpoint(previous)
+        optimizer.load_state_dict(torch.load(checkpoint.optimizer, map_location=device, weights_only=True))
+        restore_rng(checkpoint.rng)
     return model, optimizer
 
 

@@ -1,0 +1,1 @@
+"""The models a run starts from and the checkpoints it writes."""
