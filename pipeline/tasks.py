@@ -16,6 +16,7 @@ from retool.evaluation.metrics import record_stage_seconds
 from retool.evaluation.report import make_report
 from retool.evaluation.scores import EVAL_MODES, describe_eval
 from retool.evaluation.spec import EvalSpec
+from retool.files.layout import REPORT
 from retool.files.tables import SAMPLES, TRAJECTORIES, parquet_seconds, read_table, write_table_atomically
 from retool.run.context import RunContext, context_for, open_run
 from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memory
@@ -74,7 +75,7 @@ class RunTask(luigi.Task):
         """The task as users name it: its parameters, an evaluation by its folder, unset ones left out."""
         params = self.to_str_params(only_significant=True)
         if getattr(self, "evaluation", None) is not None:
-            params["evaluation"] = self.context.folder.path.relative_to(self.context.run_folder.path).as_posix()
+            params["evaluation"] = self.evaluation.name  # its folder under runs/<run>/eval/
         unset = {"evaluation": "", "limit": "0", "temperature": "", "top_p": ""}  # the run's own: not shown
         params = {k: v for k, v in params.items() if unset.get(k) != v}
         return f"{self.task_family}({', '.join(f'{k}={v}' for k, v in params.items())})"
@@ -356,7 +357,7 @@ class Report(RunTask):
         return TrainStep(step=self.step)
 
     def output(self):
-        return self.target(self.context.run_folder.report(self.step) / "report.md")
+        return self.target(self.context.run_folder.report(self.step) / REPORT)
 
     def run(self):
         self.summary = f"plots and summary of {self.step + 1} steps"

@@ -204,14 +204,14 @@ def test_missing_model_names_the_setting(tmp_path):
     )
 
 
-def test_readme_polars_snippets_answer_their_questions(configure, monkeypatch):
+def test_the_documented_polars_snippets_answer_their_questions(configure, monkeypatch):
     import re
 
     settings = configure("readme")
     assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
     assert build(settings, 1, tool_policy(settings, 1), monkeypatch)
-    readme = (REPO / "README.md").read_text()
-    code = re.search(r"## Reading a run with polars.*?```python\n(.*?)```", readme, re.DOTALL).group(1)
+    page = (REPO / "docs/run-folder.md").read_text()
+    code = re.search(r"## Reading a run with polars.*?```python\n(.*?)```", page, re.DOTALL).group(1)
     namespace = {}
     exec(code.replace('RUN = "runs/cpu-default"', f'RUN = "{settings.run_dir}"'), namespace)
     assert namespace["reward_by_step"]["step"].to_list() == [0, 1]

@@ -23,7 +23,7 @@ from retool.evaluation.analysis import (  # noqa: E402
     worst_trajectories,
 )
 from retool.files.atomic import write_text_atomically  # noqa: E402
-from retool.files.layout import RunFolder  # noqa: E402
+from retool.files.layout import REPORT, RunFolder  # noqa: E402
 from retool.rollout.state import STOP_REASONS  # noqa: E402
 
 PLOTS = ("reward.png", "diagnostics.png", "tool_use.png", "sandbox.png", "lengths.png", "eval.png")
@@ -273,7 +273,7 @@ def make_report(run: str | Path, out: str | Path | None = None) -> Path:
             ["step", "question_index", "group_index", "stop_reason", "trajectory_tokens", "extracted_answer", "answer"],
         ),
     ]
-    report = out / "report.md"
+    report = out / REPORT
     write_text_atomically(report, "\n".join(sections))
     return report
 

@@ -26,6 +26,7 @@ SUMMARY = "summary.parquet"
 SFT_EXAMPLES = "examples.parquet"
 SFT_LOSSES = "losses.parquet"
 CHECKPOINT = "checkpoint"
+REPORT = "report.md"  # beside the report's plots
 TIMINGS = "_timings"  # per-stage wall times, one small JSON file per finished task
 ROUNDS = "shard=*/round=*"  # every round folder of one step folder
 STEPS = "step=*"  # every training step folder of a run
@@ -134,7 +135,8 @@ class RunFolder:
         return self.evaluations(name) / f"before_after-step={step:04d}.md"
 
     def report(self, step: int | None = None) -> Path:
-        """The report made after training step `step`; None: the one `python -m retool report` makes."""
+        """The folder of the report made after training step `step`; None: the one `python -m retool report`
+        makes."""
         return self.path / "report" / (f"step={step:04d}" if step is not None else "")
 
     def glob(self, pattern: str) -> list[Path]:
