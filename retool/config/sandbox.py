@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass
 
@@ -19,6 +20,9 @@ class SandboxConfig:
     contain: bool = True  # use the namespaces and cgroups this machine allows (see Containment)
     prewarmed: bool = True  # fork each call from a server that imported the math libraries (needs full containment)
     python: str = sys.executable  # interpreter for the child (needs the math libraries)
+    # Comma-separated paths the code may read beside the interpreter and the system libraries (a data set
+    # meant for the tool, say); everything else of the machine is absent from its view.
+    extra_ro_paths: str = ""
 
     def __post_init__(self) -> None:
         for name in ("timeout_seconds", "file_mb", "output_tail_bytes", "max_workers", "max_processes"):
@@ -27,6 +31,13 @@ class SandboxConfig:
         for name in ("cpu_seconds", "memory_mb"):
             if getattr(self, name) < 0:
                 raise ValueError(f"SandboxConfig.{name} must be >= 0, got {getattr(self, name)}")
+        for path in self.readable_extra:
+            if not os.path.isabs(path) or not os.path.exists(path):
+                raise ValueError(f"SandboxConfig.extra_ro_paths: {path!r} is not an absolute path that exists")
+
+    @property
+    def readable_extra(self) -> list[str]:
+        return [path.strip() for path in self.extra_ro_paths.split(",") if path.strip()]
 
     @property
     def cpu_limit(self) -> int:

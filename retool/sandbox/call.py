@@ -28,6 +28,8 @@ from tqdm import tqdm
 from retool.config.sandbox import SandboxConfig
 from retool.sandbox.isolation import (
     DIE_WITH_PARENT,
+    FORK_SERVER,
+    RUNNER,
     UNSHARE,
     WORKDIR_PREFIX,
     Containment,
@@ -37,10 +39,9 @@ from retool.sandbox.isolation import (
     kill_group,
     probe_containment,
 )
+from retool.sandbox.runner import SANDBOX_GID, SANDBOX_UID
 
 log = logging.getLogger(__name__)
-RUNNER = Path(__file__).with_name("runner.py")
-FORK_SERVER = Path(__file__).with_name("forkserver.py")
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ class Sandbox:
     def __post_init__(self) -> None:
         self._slots = threading.BoundedSemaphore(self.config.max_workers)
         self._stats_lock = threading.Lock()
-        self.containment = probe_containment() if self.config.contain else Containment(False, None)
+        self.containment = probe_containment() if self.config.contain else Containment(False, None, False)
         # Fork servers, one per concurrent call; a server's timeouts rely on the pids cgroup.
         self.prewarmed = (
             self.config.prewarmed and self.containment.namespaces and self.containment.pids_cgroup is not None
@@ -166,6 +167,11 @@ class Sandbox:
             code_file.write_text(code, encoding="utf-8")
             out_file.touch()
             err_file.touch()
+            if containment.view:  # the code runs as nobody, which owns its directory and nothing else
+                for path in (workdir, code_file, out_file, err_file):
+                    os.chown(path, SANDBOX_UID, SANDBOX_GID)
+                os.chmod(workdir, 0o711)  # the runner (uid 0 without capabilities) reaches its .status inside
+                Path(workdir, ".status").touch()  # the runner's own: the code cannot write it
             if cgroup:
                 cgroup.mkdir()
                 (cgroup / "pids.max").write_text(str(config.max_processes))
@@ -173,6 +179,8 @@ class Sandbox:
                 "code_file": str(code_file),
                 "workdir": workdir,
                 "contained": containment.namespaces,
+                "view": containment.view,
+                "extra_ro_paths": config.readable_extra,
                 "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup else None,
                 "cpu_seconds": config.cpu_limit,
                 "memory_bytes": config.memory_mb * 2**20,
@@ -346,9 +354,10 @@ def _classify(exit_code: int | None, output_limited: bool, config: SandboxConfig
 def _child_status(status_file: Path, exit_code: int | None) -> int | None:
     """How the code's process ended, as the runner recorded it (negative for a signal); the
     runner's own exit code when it recorded nothing (None after a timeout stays None)."""
-    if exit_code is None or not status_file.exists():
+    recorded = status_file.read_text() if exit_code is not None and status_file.exists() else ""
+    if not recorded.strip():
         return exit_code
-    ended = json.loads(status_file.read_text())
+    ended = json.loads(recorded)
     return -ended["signal"] if "signal" in ended else ended["exit"]
 
 

@@ -10,8 +10,8 @@ calls never share one). Protocol on a connection: one JSON line with the path of
 cgroup, which it joins (each call is born into it, so nothing moves per call), answered by
 `ready PID`; then one JSON line per call (the path of the call's settings file, as for the cold
 runner), answered by `done EXIT_CODE` (negative for a signal) when the call has ended. Each call's
-child enters new mount and PID namespaces, makes every mount read-only but its working directory,
-drops all capabilities and runs the cell exactly as runner.py does. Neither zygote nor server
+child enters new mount and PID namespaces, then the call's filesystem view, drops all capabilities,
+becomes an unprivileged user and runs the cell exactly as runner.py does. Neither zygote nor server
 runs model code, so every call starts from the same clean, pre-imported state. A server ends when
 its connection closes (killing a call in flight); the zygote when its standard input closes.
 """
@@ -46,8 +46,7 @@ def contain_and_run(settings: dict, server: int) -> None:
         os._exit(125)
     libc.mount(None, b"/", None, MS_REC | MS_PRIVATE, None)  # mounts below stay in this namespace
     libc.mount(b"proc", b"/proc", b"proc", 0, None)  # a /proc that shows only this namespace
-    runner.make_mounts_read_only(settings["workdir"])
-    runner.drop_capabilities()
+    runner.contain(settings)
     os.environ.clear()
     os.environ.update(settings["environment"])
     os._exit(runner.run_contained(settings))

@@ -10,6 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ DIE_WITH_PARENT = ("setpriv", "--pdeathsig", "KILL") if shutil.which("setpriv") 
 
 
 WORKDIR_PREFIX = "retool-sandbox-"  # then the pid of the process that runs the call
+RUNNER = Path(__file__).with_name("runner.py")  # the child's side of a cold call
+FORK_SERVER = Path(__file__).with_name("forkserver.py")  # the pre-warmed zygote and its servers
 
 
 PIDS_CGROUP_ROOTS = (Path("/sys/fs/cgroup/pids"), Path("/sys/fs/cgroup"))
@@ -47,15 +50,24 @@ PASSED_THROUGH = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
 
 @dataclass(frozen=True)
 class Containment:
-    namespaces: bool  # network, PID and mount namespaces, read-only mounts, no capabilities
+    namespaces: bool  # network, PID and mount namespaces, no capabilities
     pids_cgroup: Path | None  # where per-call pids cgroups are made
+    view: bool  # the call's own filesystem view, as an unprivileged user (needs the namespaces)
+    view_problem: str = ""  # why there is no view, when there is none
 
     def describe(self) -> str:
-        parts = [
-            "namespaces (no network, own PIDs, read-only filesystem but its directory, no capabilities)"
-            if self.namespaces
-            else "NO namespaces: network, other processes and the filesystem are reachable"
-        ]
+        if not self.namespaces:
+            parts = ["NO namespaces: network, other processes and every file are reachable"]
+        elif self.view:
+            parts = [
+                "namespaces (no network, own PIDs, no capabilities); a filesystem view of the interpreter, the "
+                "system libraries and its directory only, as user nobody"
+            ]
+        else:
+            parts = [
+                "namespaces (no network, own PIDs, no capabilities, read-only filesystem but its directory); NO "
+                f"filesystem view ({self.view_problem}): the code can read every file root can"
+            ]
         parts.append(
             f"pids cgroup under {self.pids_cgroup}"
             if self.pids_cgroup
@@ -70,6 +82,7 @@ def probe_containment() -> Containment:
     namespaces = False
     if shutil.which("unshare") and os.geteuid() == 0:
         namespaces = subprocess.run([*UNSHARE, "true"], capture_output=True).returncode == 0
+    view, view_problem = probe_view() if namespaces else (False, "no namespaces")
     pids_cgroup = None
     if os.environ.get("RETOOL_SANDBOX_CGROUP"):  # a parent cgroup chosen by the operator (or a test's guard)
         pids_cgroup = Path(os.environ["RETOOL_SANDBOX_CGROUP"])
@@ -86,11 +99,22 @@ def probe_containment() -> Containment:
                 break
             except OSError:
                 continue
-    containment = Containment(namespaces, pids_cgroup)
+    containment = Containment(namespaces, pids_cgroup, view, view_problem)
     _remove_leftovers_of_ended_processes(pids_cgroup)
-    if not (namespaces and pids_cgroup):
+    if not (namespaces and pids_cgroup and view):
         log.warning("sandbox containment is partial on this machine: %s", containment.describe())
     return containment
+
+
+def probe_view(runner: Path = RUNNER) -> tuple[bool, str]:
+    """Whether a call's filesystem view can be made here (a tmpfs root, read-only binds, chroot, user
+    nobody), tried once in fresh namespaces; and what failed, if it cannot."""
+    with tempfile.TemporaryDirectory(prefix="retool-view-probe-") as empty:
+        probe = subprocess.run(
+            [*UNSHARE, sys.executable, "-I", str(runner), "--probe-view", empty], capture_output=True, text=True
+        )
+    problem = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+    return probe.returncode == 0, "" if probe.returncode == 0 else problem
 
 
 def _remove_leftovers_of_ended_processes(pids_cgroup: Path | None) -> None:
