@@ -16,6 +16,7 @@ from bench.benchmarks import (
     bench_stage_overhead,
     bench_trainer,
 )
+from bench.cluster import bench_cluster
 from bench.learning import LEARNING_SAMPLES, LEARNING_STEPS, bench_learning
 from bench.server import bench_server
 from retool.weights.models import build_default_model
@@ -29,6 +30,7 @@ BENCHMARKS = {
     "sampler": bench_sampler,
     "learning": bench_learning,
     "server": bench_server,
+    "cluster": bench_cluster,
 }
 
 

@@ -1,16 +1,20 @@
 """How a command ends: Luigi's execution summary, then one line for the task it names: done (with where),
-already complete before the command ran, or not done (with the first failure this process saw)."""
+already complete before the command ran, or not done (with the first failure this process, or the central
+scheduler, saw); and an exit code that says whether the target is complete."""
 
 from __future__ import annotations
 
 import atexit
 import logging
 import os
+import sys
 
 import luigi
 import luigi.cmdline_parser
+import luigi.retcodes
 
 _failures: list[str] = []  # "Task(...): error", in the order this process saw them
+_command: dict = {}  # the task the command line names, as it was when it was made
 
 
 def note_failure(task: luigi.Task, error: Exception) -> None:
@@ -18,27 +22,66 @@ def note_failure(task: luigi.Task, error: Exception) -> None:
 
 
 def watch_if_named_on_the_command_line(task: luigi.Task) -> None:
-    """Registers the final line for the task the command line names (once, when it is made)."""
+    """Notes the task the command line names (once, when it is made), for the command's last line and exit code."""
     command_line = luigi.cmdline_parser.CmdlineParser.get_instance()
-    if command_line is None or command_line.known_args.root_task != task.task_family or _watched:
+    if command_line is None or command_line.known_args.root_task != task.task_family or _command:
         return
-    _watched.append(task)
+    core = luigi.interface.core()
+    scheduler = (
+        None if core.local_scheduler else core.scheduler_url or f"http://{core.scheduler_host}:{core.scheduler_port}/"
+    )
     # Read now: at exit the command line's settings (and so the task's paths) are no longer at hand.
-    name, outputs, was_complete = task.label(), luigi.task.flatten(task.output()), task.complete()
-    atexit.register(lambda: print(outcome(name, outputs, was_complete), flush=True))
+    _command.update(
+        name=task.label(),
+        task_id=task.task_id,
+        outputs=luigi.task.flatten(task.output()),
+        was_complete=task.complete(),
+        scheduler=scheduler,
+    )
 
 
-_watched: list[luigi.Task] = []
-
-
-def outcome(name: str, outputs: list, was_complete: bool) -> str:
+def outcome(name: str, outputs: list, was_complete: bool, failed_elsewhere: list[str] = ()) -> str:
     where = ", ".join(target.path for target in outputs)
     if was_complete:
         return f"{name}: already complete, nothing to do ({where}); delete an output to build it again"
     if all(target.exists() for target in outputs):
         return f"{name}: done -> {where}"
-    reason = _failures[0] if _failures else "a task it needs failed or could not run (see the errors above)"
+    if _failures:
+        reason = _failures[0]
+    elif failed_elsewhere:
+        reason = f"{failed_elsewhere[0]} failed on another node (see its log, or the scheduler's page)"
+    else:
+        reason = "a task it needs failed or could not run (see the errors above)"
     return f"{name}: not done: {reason}"
+
+
+def failed_in_the_scheduler(scheduler: str, task_id: str) -> list[str]:
+    """The tasks of `task_id`'s graph that the central scheduler holds as failed or disabled (by any node)."""
+    from luigi.rpc import RemoteScheduler
+
+    try:
+        graph = RemoteScheduler(scheduler, connect_timeout=5).dep_graph(task_id)
+    except Exception:  # the scheduler is gone: nothing more to learn
+        return []
+    return [info["display_name"] for info in graph.values() if info["status"] in ("FAILED", "DISABLED")]
+
+
+@atexit.register  # at import, so that it runs last: after Luigi's summary and every other handler
+def _finish() -> None:
+    """The command's last line, and an exit code that tells the truth: 0 when the target is complete, whoever
+    ran its tasks (Luigi's own code counts what this process saw: another node's work reads as "already
+    running" or "not run"); [retcode] task_failed when a task it needs failed here or on another node."""
+    if not _command:
+        return
+    complete = all(target.exists() for target in _command["outputs"])
+    scheduler = _command["scheduler"]
+    failed_elsewhere = failed_in_the_scheduler(scheduler, _command["task_id"]) if scheduler and not complete else []
+    print(outcome(_command["name"], _command["outputs"], _command["was_complete"], failed_elsewhere), flush=True)
+    if complete or failed_elsewhere:
+        code = 0 if complete else luigi.retcodes.retcode().task_failed
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 SUMMARY_HEADER = "===== Luigi Execution Summary ====="

@@ -33,3 +33,17 @@ def some_groups_agree(settings):
         return f"So the result is \\boxed{{{answer if right else -1}}}."
 
     return ScriptedSampler(scripted(protocol, choose))
+
+
+def slow_branching_tools(settings):
+    """branching_tools, at 5 ms a sampled token: a round takes long enough for several workers to share."""
+    sampler = branching_tools(settings)
+    sampler.seconds_per_token = 0.005
+    return sampler
+
+
+def paced_branching_tools(settings):
+    """branching_tools at 50 ms a sampled token, as a remote model might sample: waiting, not computing."""
+    sampler = branching_tools(settings)
+    sampler.seconds_per_token = 0.05
+    return sampler
