@@ -48,9 +48,10 @@ def write_config(
     port: int,
     central: bool = True,
     policy: str = "slow_branching_tools",
+    **overrides: dict[str, str],
 ) -> Path:
     """configs/cluster.cfg with a run on top, its scheduler on 127.0.0.1:`port` (or, not central, Luigi's local
-    one); a short retry policy: 1 s between retries, a node gone after 3 s of silence."""
+    one); a short retry policy: 1 s between retries, a node gone after 3 s of silence; `overrides` by section."""
     config = configparser.ConfigParser()
     config.read(REPO / "configs/cluster.cfg")
     sections = {
@@ -68,6 +69,8 @@ def write_config(
         **RUN,
         "sampler": {"engine": f"scripted:tests.policies:{policy}"},
     }
+    for section, values in overrides.items():
+        sections[section] = {**sections.get(section, {}), **values}
     for section, values in sections.items():
         if not config.has_section(section):
             config.add_section(section)

@@ -40,7 +40,8 @@ def watch_if_named_on_the_command_line(task: luigi.Task) -> None:
     )
 
 
-def outcome(name: str, outputs: list, was_complete: bool, failed_elsewhere: list[str] = ()) -> str:
+def outcome(name: str, outputs: list, was_complete: bool, failed: list[str] = ()) -> str:
+    """The command's last line; `failed`: the target's tasks the central scheduler holds as failed."""
     where = ", ".join(target.path for target in outputs)
     if was_complete:
         return f"{name}: already complete, nothing to do ({where}); delete an output to build it again"
@@ -48,8 +49,8 @@ def outcome(name: str, outputs: list, was_complete: bool, failed_elsewhere: list
         return f"{name}: done -> {where}"
     if _failures:
         reason = _failures[0]
-    elif failed_elsewhere:
-        reason = f"{failed_elsewhere[0]} failed on another node (see its log, or the scheduler's page)"
+    elif failed:
+        reason = f"{failed[0]} failed (its error is in the log of the node that ran it)"
     else:
         reason = "a task it needs failed or could not run (see the errors above)"
     return f"{name}: not done: {reason}"
@@ -75,9 +76,9 @@ def _finish() -> None:
         return
     complete = all(target.exists() for target in _command["outputs"])
     scheduler = _command["scheduler"]
-    failed_elsewhere = failed_in_the_scheduler(scheduler, _command["task_id"]) if scheduler and not complete else []
-    print(outcome(_command["name"], _command["outputs"], _command["was_complete"], failed_elsewhere), flush=True)
-    if complete or failed_elsewhere:
+    failed = failed_in_the_scheduler(scheduler, _command["task_id"]) if scheduler and not complete else []
+    print(outcome(_command["name"], _command["outputs"], _command["was_complete"], failed), flush=True)
+    if complete or failed:
         code = 0 if complete else luigi.retcodes.retcode().task_failed
         logging.shutdown()
         sys.stderr.flush()

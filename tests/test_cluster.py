@@ -105,6 +105,17 @@ def test_a_node_killed_in_the_middle_of_a_shard_loses_nothing(scheduler, tmp_pat
     assert rollout_tables(tmp_path / "runs" / "shared") == reference("TrainStep", 0)
 
 
+def test_a_target_that_fails_on_one_node_fails_every_node_with_task_failed(scheduler, tmp_path, tiny_model_dir):
+    """A training step that cannot pass the policy-sync check (scripted logprobs are made up) fails, is retried,
+    and is disabled: both nodes exit with [retcode] task_failed and a last line naming the failure."""
+    strict = {"trainer": {"max_sampler_gap": "1e-9"}}
+    config = write_config(tmp_path / "nodes.cfg", tiny_model_dir, tmp_path / "runs", "failing", scheduler, **strict)
+    nodes = [command(config, tmp_path / f"node{n}", "TrainStep", "--step", "0", "--workers", "2") for n in (1, 2)]
+    for code, stdout, stderr in (finished(node) for node in nodes):
+        assert code == 30, stderr[-3000:]
+        assert stdout.rstrip().splitlines()[-1].startswith("TrainStep(step=0): not done: ")
+
+
 def test_a_scheduler_that_does_not_answer_is_one_line_naming_its_address(tmp_path, tiny_model_dir):
     port = free_port()  # nothing listens there
     config = write_config(tmp_path / "nodes.cfg", tiny_model_dir, tmp_path / "runs", "alone", port)
