@@ -7,6 +7,7 @@ import sys
 COMMANDS = {  # command -> (module of retool.cli, what it does)
     "model": ("model", "build the embedded default model, or a tiny random one, into a folder"),
     "synthetic": ("synthetic", "write the shipped synthetic data sets"),
+    "convert": ("convert", "cold-start conversations of a public layout, in the project's layout"),
     "sandbox": ("sandbox", "run a Python file in the sandbox and print what the model would see"),
     "serve": ("serve", "start vLLM's OpenAI-compatible server for a run's model"),
     "report": ("report", "plots and a Markdown summary of a run folder"),

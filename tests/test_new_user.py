@@ -131,7 +131,16 @@ def test_workers_that_would_each_load_an_engine_on_one_cpu_are_warned_of(tmp_pat
     assert workers_warning(server, 2) is None and workers_warning(RunSettings(), 1) is None
 
 
-COMMANDS = ("retool serve", "retool sandbox", "retool report", "retool synthetic", "retool model", "bench", "bench.gpu")
+COMMANDS = (
+    "retool serve",
+    "retool sandbox",
+    "retool report",
+    "retool synthetic",
+    "retool convert",
+    "retool model",
+    "bench",
+    "bench.gpu",
+)
 
 
 @pytest.mark.parametrize("module", COMMANDS)

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ColdStartConfig:
-    data: str = ""  # JSONL of tool-integrated solutions to fine-tune on before RL; "" = RL starts from the model
+    # JSONL of tool-integrated solutions to fine-tune on before RL; "" or "none" (the way to say it on a command
+    # line, where Luigi drops an empty value): no cold start, RL starts from the model
+    data: str = ""
     steps: int = 8  # optimizer steps of supervised fine-tuning
     batch_size: int = 8  # conversations per step
     learning_rate: float = 1e-4
@@ -16,6 +18,8 @@ class ColdStartConfig:
     seed: int = 0  # order in which conversations are visited
 
     def __post_init__(self) -> None:
+        if self.data.strip().lower() == "none":
+            object.__setattr__(self, "data", "")  # recorded as no cold start, the same as ""
         if self.steps <= 0 or self.batch_size <= 0 or self.save_every < 0 or self.lora_rank < 0:
             raise ValueError(
                 f"ColdStartConfig needs steps > 0, batch_size > 0, save_every >= 0 and lora_rank >= 0, got {self}"

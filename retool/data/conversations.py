@@ -1,17 +1,34 @@
-"""Worked solutions for the cold start: conversations in the chat-messages layout of the public ReTool SFT
-sets (the user's question, assistant messages whose `tool_calls` run `code_interpreter`, the `tool`
-messages with the output, a final answer with `\\boxed{}`), read from JSONL and written back."""
+"""Worked solutions for the cold start, read from JSONL or Parquet in either public layout and written back in
+the project's:
+
+- chat messages with tool calls (the project's layout, and the one verl's converter writes): the user's
+  question, assistant messages whose `tool_calls` run `code_interpreter` (arguments a JSON string or an
+  object), the `tool` messages with the output, a final answer with `\\boxed{}`;
+- the tagged ReTool layout: one assistant message holding the code in `<code>```python ...```</code>`, each
+  output in `<interpreter>...</interpreter>` and the answer in `<answer>...</answer>`, after a user message
+  whose instruction ends in `*user question:*` before the problem.
+
+Text the model would be trained to write must never hold a tool's output: a tag left in an assistant turn
+after reading (unclosed, stray, or in the other layout's message) is an error naming the file, row and tag."""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from retool.data.examples import DataError
 from retool.data.reward import last_boxed
+from retool.files.atomic import write_text_atomically
 from retool.protocol.tool_calls import TOOL_NAME
+
+QUESTION_MARKER = "*user question:*"  # the tagged layout's instruction ends here; the problem follows
+TAGGED_CALL = re.compile(r"<code>(.*?)</code>\s*<interpreter>(.*?)</interpreter>", re.DOTALL)
+TAGGED_ANSWER = re.compile(r"(.*?)<answer>(.*?)</answer>\s*", re.DOTALL)
+FENCED = re.compile(r"^\s*```(?:python|py)?[ \t]*\n(.*?)\n?```\s*$", re.DOTALL)
+TOOL_OUTPUT_TAGS = ("<code>", "</code>", "<interpreter>", "</interpreter>", "<tool_response>", "</tool_response>")
 
 
 @dataclass(frozen=True)
@@ -54,7 +71,8 @@ def _call_code(call: Any, where: str) -> str:
 def _trained(message: dict, where: str) -> bool:
     """An assistant message's optional "weight" (as in OpenAI's fine-tuning layout): 1 trains on it, 0 keeps it
     as context only."""
-    weight = message.get("weight", 1)
+    weight = message.get("weight")
+    weight = 1 if weight is None else weight  # absent, or null in a Parquet struct
     if weight not in (0, 1) or isinstance(weight, bool):
         raise DataError(f"{where}: field 'weight' must be 0 or 1, got {weight!r}")
     return weight == 1
@@ -69,6 +87,40 @@ def _content(message: dict, where: str, allow_empty: bool = False) -> str:
     return content
 
 
+def tagged_turns(content: str, trained: bool) -> list[SolutionTurn]:
+    """The turns of one assistant message in the tagged layout: the text before each <code>, its code (fence
+    unwrapped) and the <interpreter> output that follows; then the final text with its <answer> unwrapped."""
+    turns, position = [], 0
+    for call in TAGGED_CALL.finditer(content):
+        fenced = FENCED.match(call.group(1))
+        code = (fenced.group(1) if fenced else call.group(1)).strip("\n")
+        turns.append(SolutionTurn(content[position : call.start()].strip(), code, call.group(2).strip("\n"), trained))
+        position = call.end()
+    final = content[position:]
+    answer = TAGGED_ANSWER.fullmatch(final)
+    text = "\n".join(part.strip() for part in answer.groups() if part.strip()) if answer else final.strip()
+    turns.append(SolutionTurn(text, trained=trained))
+    return turns
+
+
+def _refuse_tool_output(turns: list[SolutionTurn], where: str) -> None:
+    """The model is trained on every turn's text: a tool's output there (a tag left after reading) would teach
+    it to write the output itself."""
+    for number, turn in enumerate(turns, start=1):
+        for tag in TOOL_OUTPUT_TAGS:
+            if tag in turn.text:
+                raise DataError(
+                    f"{where}: assistant turn {number} still holds {tag!r} after reading (an unclosed or stray tag, "
+                    "or two layouts in one message): the model would be trained to write a tool's output"
+                )
+
+
+def _problem(question: str) -> str:
+    """The problem of a tagged layout's user message, without the instruction before it."""
+    at = question.lower().rfind(QUESTION_MARKER)
+    return question[at + len(QUESTION_MARKER) :].strip() if at >= 0 else question
+
+
 def conversation_from_row(row: Any, line: int, where: str, default_id: str) -> Conversation:
     """One conversation: an optional system message (the run's protocol supplies its own), the
     question, then assistant turns, each call answered by a tool message, ending on an answer."""
@@ -77,7 +129,7 @@ def conversation_from_row(row: Any, line: int, where: str, default_id: str) -> C
     messages = [m for m in row["messages"] if not (isinstance(m, dict) and m.get("role") == "system")]
     if not messages or not isinstance(messages[0], dict) or messages[0].get("role") != "user":
         raise DataError(f"{where}: the first message after the system prompt must be the user's question")
-    question = _content(messages[0], f"{where} message 1")
+    question = _problem(_content(messages[0], f"{where} message 1"))
     turns: list[SolutionTurn] = []
     position = 1
     while position < len(messages):
@@ -93,7 +145,13 @@ def conversation_from_row(row: Any, line: int, where: str, default_id: str) -> C
                 f"{len(calls) if isinstance(calls, list) else calls!r}"
             )
         if not calls:
-            turns.append(SolutionTurn(_content(message, at), trained=_trained(message, at)))
+            content = _content(message, at)
+            tagged = "<code>" in content or "<interpreter>" in content
+            turns += (
+                tagged_turns(content, _trained(message, at))
+                if tagged
+                else [SolutionTurn(content, trained=_trained(message, at))]
+            )
             position += 1
             continue
         code = _call_code(calls[0], at)
@@ -109,6 +167,7 @@ def conversation_from_row(row: Any, line: int, where: str, default_id: str) -> C
             )
         )
         position += 2
+    _refuse_tool_output(turns, where)
     if not turns or turns[-1].code is not None:
         raise DataError(f"{where}: the conversation must end with an assistant answer")
     answer = row.get("answer")
@@ -125,23 +184,45 @@ def conversation_from_row(row: Any, line: int, where: str, default_id: str) -> C
 
 
 def read_conversations(path: str | Path) -> list[Conversation]:
-    """All conversations of a JSONL file; any malformed one is an error naming the file and line."""
+    """All conversations of a JSONL or Parquet file, in either layout; any malformed one is an error naming the
+    file and its line (row, in Parquet)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: cold-start data file does not exist")
-    conversations = []
+    conversations = [
+        conversation_from_row(row, line, f"{path} {unit} {line}", f"{path.stem}-{line}")
+        for unit, line, row in _rows(path)
+    ]
+    if not conversations:
+        raise DataError(f"{path}: cold-start data file has no conversations")
+    return conversations
+
+
+def _rows(path: Path):
+    """(line or row, its number from 1, the row as Python objects) of a JSONL or Parquet file."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except Exception as error:  # not a Parquet file, or a truncated one
+            raise DataError(f"{path}: not a readable Parquet file ({error})") from None
+        yield from (("row", number, row) for number, row in enumerate(table.to_pylist(), start=1))
+        return
     with path.open(encoding="utf-8") as handle:
         for line, text in enumerate(handle, start=1):
             if not text.strip():
                 continue
             try:
-                row = json.loads(text)
+                yield "line", line, json.loads(text)
             except json.JSONDecodeError as error:
                 raise DataError(f"{path} line {line}: not valid JSON ({error.msg})") from None
-            conversations.append(conversation_from_row(row, line, f"{path} line {line}", f"{path.stem}-{line}"))
-    if not conversations:
-        raise DataError(f"{path}: cold-start data file has no conversations")
-    return conversations
+
+
+def write_conversations(conversations: list[Conversation], path: str | Path) -> None:
+    """The conversations as JSONL in the project's layout, published in one rename."""
+    text = "".join(json.dumps(conversation_row(c), ensure_ascii=False) + "\n" for c in conversations)
+    write_text_atomically(Path(path), text)
 
 
 def conversation_row(conversation: Conversation) -> dict:
