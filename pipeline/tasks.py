@@ -244,16 +244,9 @@ class TrainStep(RunTask):
         self.set_status_message("training one PPO step")
         context, inputs = self.context, self.input()
         previous = Path(inputs["policy"]["checkpoint"].path).parent if self.step > 0 else None  # step 0: the RL base
-        checkpoints = [context.run_folder.step(step).checkpoint for step in range(self.step + 1)]
         release_sampler_memory(context.run)  # the sampler sleeps while the step trains on the GPU
-        training = train_stage(
-            context.run,
-            inputs["datums"].path,
-            inputs["trajectories"].path,
-            previous,
-            context.folder.checkpoint,
-            checkpoints,
-        )
+        datums, trajectories = inputs["datums"].path, inputs["trajectories"].path
+        training = train_stage(context.run, self.step, datums, trajectories, previous, context.folder.checkpoint)
         reclaim_sampler_memory(context.run)
         stages = [stage.__name__ for stage in ROLLOUT_STAGES]
         metrics = metrics_stage(

@@ -371,7 +371,7 @@ def test_a_sampler_that_does_not_serve_the_policy_fails_the_step_before_saving(c
         folder = step_dir(settings, 0)
         checkpoint = folder / "checkpoint"
         pipeline.tasks.train_stage(
-            settings, folder / "datums.parquet", folder / "trajectories.parquet", None, checkpoint, [checkpoint]
+            settings, 0, folder / "datums.parquet", folder / "trajectories.parquet", None, checkpoint
         )
 
 

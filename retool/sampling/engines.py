@@ -46,17 +46,9 @@ _engines: dict[tuple, Sampler] = {}  # one engine per process, reused by every t
 def sampler_for(settings: RunSettings, policy: Policy | None = None, shard: int = 0) -> Sampler:
     """The process's engine, switched to `policy` (None: the model setting); with vllm-server, a client of
     the shard's server."""
-    model_dir = resolve_model(settings.model.name)
-    kind = sampler_kind(settings)
-    urls = server_urls(settings) if kind == "vllm-server" else [""]
-    key = (kind, settings.sampler, str(model_dir), settings.run.device, urls[shard % len(urls)])
-    if key not in _engines:
-        for engine in _engines.values():
-            engine.close()  # free the old engine before loading another
-        _engines.clear()
-        _engines[key] = _load_engine(kind, settings, model_dir, urls[shard % len(urls)])
-    _engines[key].use_policy(policy)
-    return _engines[key]
+    engine = _engine(settings, shard)
+    engine.use_policy(policy)
+    return engine
 
 
 def release_sampler_memory(settings: RunSettings) -> None:
@@ -73,16 +65,22 @@ def reclaim_sampler_memory(settings: RunSettings) -> None:
 
 def _samplers_holding_memory(settings: RunSettings) -> list[Sampler]:
     if sampler_kind(settings) == "vllm-server":
-        return [_client(settings, shard) for shard in range(len(server_urls(settings)))]
+        return [_engine(settings, shard) for shard in range(len(server_urls(settings)))]
     return list(_engines.values())
 
 
-def _client(settings: RunSettings, shard: int) -> Sampler:
-    """The client of a shard's server, as the shard's rounds use it (its policy unchanged)."""
+def _engine(settings: RunSettings, shard: int) -> Sampler:
+    """The engine (or server client) the shard samples with, loaded on first use, its policy as it was."""
     model_dir = resolve_model(settings.model.name)
-    urls = server_urls(settings)
-    key = ("vllm-server", settings.sampler, str(model_dir), settings.run.device, urls[shard % len(urls)])
-    return _engines.get(key) or _load_engine("vllm-server", settings, model_dir, urls[shard % len(urls)])
+    kind = sampler_kind(settings)
+    urls = server_urls(settings) if kind == "vllm-server" else [""]
+    key = (kind, settings.sampler, str(model_dir), settings.run.device, urls[shard % len(urls)])
+    if key not in _engines:
+        for engine in _engines.values():
+            engine.close()  # free the old engine before loading another
+        _engines.clear()
+        _engines[key] = _load_engine(kind, settings, model_dir, urls[shard % len(urls)])
+    return _engines[key]
 
 
 def _load_engine(kind: str, settings: RunSettings, model_dir: Path, url: str) -> Sampler:

@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from retool.config.settings import RunSettings, SettingsError
 from retool.data.conversations import read_conversations
+from retool.files.layout import RunFolder
 from retool.files.tables import DATUMS, SFT_EXAMPLES, TRAJECTORIES, read_table
 from retool.protocol.chat import ChatProtocol
 from retool.rollout.datums import datums_from_table
@@ -50,10 +51,10 @@ def cold_start_stage(settings: RunSettings, examples: Path, out: Path, progress:
 
 
 def train_stage(
-    settings: RunSettings, datums: Path, trajectories: Path, previous: Path | None, out: Path, retained: list[Path]
+    settings: RunSettings, step: int, datums: Path, trajectories: Path, previous: Path | None, out: Path
 ) -> StepMetrics:
     """One PPO step from the step's datums, over the checkpoint `previous` (None: the RL base model), into
-    checkpoint `out`; then the retention policy over the run's checkpoints `retained`, oldest first."""
+    checkpoint `out`; then the retention policy over the run's checkpoints up to `step`."""
     from retool.training.checkpoints import prune_checkpoints  # torch: only once a step trains
     from retool.training.step import train_from_files
 
@@ -74,7 +75,9 @@ def train_stage(
         )
     else:
         metrics = _train_under_torchrun(settings, base_model, datums, num_trajectories, zero_variance, previous, out)
-    prune_checkpoints(list(enumerate(retained)), settings.run.keep_last, settings.run.keep_every)
+    run = RunFolder(settings.run_dir)
+    checkpoints = [(s, run.step(s).checkpoint) for s in range(step + 1)]
+    prune_checkpoints(checkpoints, settings.run.keep_last, settings.run.keep_every)
     return metrics
 
 
