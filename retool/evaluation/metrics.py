@@ -100,16 +100,3 @@ def describe_step(metrics: dict) -> str:
         f"ratio outside the clip range after {metrics['train_ratio_outside_clip']:.3f}"
         + (" (update skipped)" if metrics["train_skipped"] else "")
     )
-
-
-def export_tensorboard(log_dir: Path, metrics: dict) -> bool:
-    """Writes the step's numeric metrics as TensorBoard scalars when tensorboard is installed."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return False
-    with SummaryWriter(str(log_dir)) as writer:
-        for name, value in metrics.items():
-            if name != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                writer.add_scalar(name, value, metrics["step"])
-    return True

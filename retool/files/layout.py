@@ -115,6 +115,11 @@ class RunFolder:
     def tensorboard(self) -> Path:
         return self.path / "tensorboard"
 
+    @property
+    def tracking_record(self) -> Path:
+        """The id of the run's experiment-tracker run, drawn by its first command ([run] tracker)."""
+        return self.path / "tracking.json"
+
     def step(self, step: int) -> StepFolder:
         return StepFolder(self.path / f"step={step:04d}")
 

@@ -14,6 +14,7 @@ from retool.config.settings import ModelConfig, RunSettings, SettingsError, chec
 from retool.data.conversations import read_conversations
 from retool.data.examples import MathExample, shuffled, take_batch
 from retool.evaluation.spec import EvalSpec, _examples, rollout_settings
+from retool.evaluation.tracking import Tracker, check_tracker
 from retool.files.layout import RunFolder, StepFolder
 from retool.files.tables import OBSERVATIONS, PROMPTS, SAMPLES, read_table
 from retool.protocol.chat import ChatProtocol, load_tokenizer
@@ -39,7 +40,10 @@ def open_run(settings: RunSettings, workers: int = 1) -> None:
     if warning := workers_warning(settings, workers):
         log.warning(warning)
     check_inputs(settings)
+    check_tracker(settings.run.tracker)
     freeze(settings)
+    if settings.run.tracker != "none":
+        Tracker(settings.run.tracker, RunFolder(settings.run_dir), settings.run.name).run_id()  # before workers fork
     if settings.sampler.engine == "vllm-server":
         server_urls(settings)  # found or started before Luigi forks workers, which then share it
     protocol_for(settings.model)
@@ -102,6 +106,10 @@ class RunContext:
     @property
     def protocol(self) -> ChatProtocol:
         return protocol_for(self.settings.model)
+
+    @property
+    def tracker(self) -> Tracker:
+        return Tracker(self.run.run.tracker, self.run_folder, self.run.run.name)
 
     @property
     def sandbox(self) -> Sandbox:

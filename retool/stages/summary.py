@@ -13,12 +13,13 @@ import pyarrow.parquet as pq
 from retool.config.settings import RunSettings
 from retool.data.conversations import read_conversations
 from retool.data.examples import read_examples
-from retool.evaluation.metrics import describe_step, export_tensorboard, metrics_table, stage_seconds, step_metrics
+from retool.evaluation.metrics import describe_step, metrics_table, stage_seconds, step_metrics
 from retool.evaluation.report import make_report
 from retool.evaluation.scores import before_after_markdown, paired_difference, question_groups, summarize_eval
 from retool.evaluation.spec import EvalSpec, content_hash
+from retool.evaluation.tracking import Tracker, scalars
 from retool.files.atomic import write_text_atomically
-from retool.files.layout import RunFolder, StepFolder
+from retool.files.layout import StepFolder
 from retool.files.tables import OBSERVATIONS, TRAJECTORIES, read_table, write_table_atomically
 from retool.sandbox.call import Sandbox
 from retool.training.record import StepMetrics
@@ -26,14 +27,14 @@ from retool.training.record import StepMetrics
 
 def metrics_stage(
     folder: StepFolder,
-    run: RunFolder,
+    tracker: Tracker,
     step: int,
     training: StepMetrics,
     sandbox: Sandbox,
     stages: Sequence[str],
     training_stage: str,
 ) -> str:
-    """Writes the step's metrics.parquet (and TensorBoard scalars when available), with the wall time of each
+    """Writes the step's metrics.parquet (and logs its scalars to the run's tracker), with the wall time of each
     of the rollout's `stages` (the names their timings were recorded under) and of the training stage;
     returns its line."""
     observations = [read_table(path, OBSERVATIONS) for path in folder.all_observations()]
@@ -47,12 +48,17 @@ def metrics_stage(
     )
     metrics["sandbox_containment"] = sandbox.containment.describe()
     write_table_atomically(metrics_table(metrics), folder.metrics)
-    export_tensorboard(run.tensorboard, metrics)
+    tracker.log(step, scalars(metrics))
     return describe_step(metrics)
 
 
-def evaluate_stage(trajectories: pa.Table, evaluation: EvalSpec, step: int, out: str | Path) -> dict:
-    policy = ("sft" if evaluation.sft else "base") if step < 0 else f"step {step}"
+def evaluate_stage(
+    trajectories: pa.Table, evaluation: EvalSpec, step: int, out: str | Path, tracker: Tracker | None = None
+) -> dict:
+    """Writes the evaluation's summary.parquet and logs its scores to the run's tracker, under
+    eval/<evaluation>/<base|sft|rl>/ at the checkpoint's step (-1 before RL)."""
+    stage = ("sft" if evaluation.sft else "base") if step < 0 else "rl"
+    policy = stage if step < 0 else f"step {step}"
     summary = {
         "dataset": evaluation.dataset,
         "dataset_sha256": content_hash(evaluation.dataset),  # the leading digits, as in the folder's name
@@ -65,6 +71,9 @@ def evaluate_stage(trajectories: pa.Table, evaluation: EvalSpec, step: int, out:
         **summarize_eval(trajectories, evaluation.n),
     }
     write_table_atomically(pa.Table.from_pylist([summary]), out)
+    if tracker is not None:
+        scores = scalars({name: value for name, value in summary.items() if name not in ("temperature", "top_p")})
+        tracker.log(step, scores, prefix=f"eval/{evaluation.name}/{stage}/")
     return summary
 
 
