@@ -11,12 +11,13 @@ COMMANDS = {  # command -> (module of retool.cli, what it does)
     "sandbox": ("sandbox", "run a Python file in the sandbox and print what the model would see"),
     "serve": ("serve", "start vLLM's OpenAI-compatible server for a run's model"),
     "report": ("report", "plots and a Markdown summary of a run folder"),
+    "export-sft": ("export_sft", "a run's correct rollouts as cold-start conversations"),
 }
 
 
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        listing = "\n".join(f"  {name:<10} {what}" for name, (_, what) in COMMANDS.items())
+        listing = "\n".join(f"  {name:<11} {what}" for name, (_, what) in COMMANDS.items())
         print(f"usage: python -m retool COMMAND [options]\n\ncommands:\n{listing}", file=sys.stderr)
         sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
     command = sys.argv.pop(1)

@@ -137,6 +137,7 @@ COMMANDS = (
     "retool report",
     "retool synthetic",
     "retool convert",
+    "retool export-sft",
     "retool model",
     "bench",
     "bench.gpu",

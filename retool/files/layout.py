@@ -9,6 +9,7 @@ round=01) let one glob read a kind of file across a run, with the folder names a
     runs/<run>/step=NNNN/trajectories.parquet, datums.parquet, metrics.parquet, checkpoint/
     runs/<run>/eval/<data>-<hash>/<mode>-n<N>/step=NNNN|base|sft/...   an evaluation: the same files, summary.parquet
     runs/<run>/report/step=NNNN/                        plots and report.md
+    runs/<run>/exported-sft.jsonl                       its correct rollouts as cold-start data (export-sft)
 """
 
 from __future__ import annotations
@@ -150,6 +151,15 @@ class RunFolder:
     def step_files(self, name: str) -> list[Path]:
         """One kind of file of every training step: step_files(TRAJECTORIES)."""
         return self.glob(f"{STEPS}/{name}")
+
+    def steps_with(self, name: str) -> list[int]:
+        """The training steps that have written one kind of file: steps_with(TRAJECTORIES)."""
+        return [int(path.parent.name.removeprefix("step=")) for path in self.step_files(name)]
+
+    @property
+    def exported_sft(self) -> Path:
+        """Where `python -m retool export-sft` writes the run's correct rollouts by default."""
+        return self.path / "exported-sft.jsonl"
 
     def round_files(self, name: str) -> list[Path]:
         """One kind of round file of every training step: round_files(OBSERVATIONS)."""

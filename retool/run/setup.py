@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +109,18 @@ def freeze(settings: RunSettings) -> None:
         freeze(settings)
     finally:
         temporary.unlink()
+
+
+def recorded_settings(run_dir: Path) -> RunSettings:
+    """The settings a run folder was frozen with (config.json), for commands that read a finished run; those
+    that only change speed or place are at their defaults."""
+    path = RunFolder(run_dir).config
+    if not path.is_file():
+        raise SettingsError(f"{run_dir}: not a run folder (a run folder holds the config.json its first command wrote)")
+    recorded = json.loads(path.read_text())
+    sections = {}
+    for name, config in RunSettings().sections().items():
+        known = {f.name for f in fields(config)}
+        sections[name] = replace(config, **{k: v for k, v in recorded.get(name, {}).items() if k in known})
+    run = replace(sections["run"], name=Path(run_dir).name, runs_dir=str(Path(run_dir).parent))
+    return RunSettings(**{**sections, "run": run})
