@@ -310,7 +310,10 @@ class EvaluationTask(RunTask):
 
     dataset = luigi.Parameter(default="data/synthetic_eval.jsonl", description="evaluation data file")
     n = luigi.IntParameter(default=4, description="samples per question")
-    mode = luigi.ChoiceParameter(choices=EVAL_MODES, default="retool", description="evaluation mode")
+    # Not `mode`: Luigi's first pass over the command line would read --mode as an abbreviation of --model-*.
+    eval_mode = luigi.ChoiceParameter(
+        choices=EVAL_MODES, default="retool", description="retool (the tool declared) or text-only (no tool, one turn)"
+    )
     sft = luigi.BoolParameter(
         default=False, description="with --step -1: evaluate the cold-start checkpoint, not the base model"
     )
@@ -320,7 +323,7 @@ class EvaluationTask(RunTask):
 
     def spec(self, sft: bool | None = None) -> EvalSpec:
         sft = self.sft if sft is None else sft
-        return EvalSpec(self.dataset, self.n, self.mode, sft, self.limit, self.temperature, self.top_p)
+        return EvalSpec(self.dataset, self.n, self.eval_mode, sft, self.limit, self.temperature, self.top_p)
 
     def make_context(self) -> RunContext:
         return context_for(current_settings(), self.step, self.spec())
@@ -340,7 +343,7 @@ class Evaluate(EvaluationTask):
         trajectories = read_table(self.input().path, TRAJECTORIES)
         context = self.context
         summary = evaluate_stage(trajectories, context.evaluation, self.step, self.output().path, context.tracker)
-        self.summary = f"{self.mode} on {self.dataset}: {describe_eval(summary)}"
+        self.summary = f"{self.eval_mode} on {self.dataset}: {describe_eval(summary)}"
 
 
 class Report(RunTask):

@@ -164,3 +164,24 @@ def test_every_task_parameter_is_described():
     for task in tasks:
         for name, parameter in task.get_params():
             assert parameter.description, f"{task.__name__} --{name.replace('_', '-')} has no description"
+
+
+def test_no_task_option_is_an_abbreviation_of_a_setting():
+    """Luigi's first pass over the command line knows only the settings: a task option that begins one of them
+    (`--mode` of `--model-name`) is refused there as ambiguous."""
+    import pipeline
+    from pipeline.config import SECTIONS
+    from retool.config.settings import setting_fields
+
+    settings = [
+        f"--{section}-{f.name}".replace("_", "-")
+        for section, (config, _) in SECTIONS.items()
+        for f in setting_fields(section, config)
+    ]
+    tasks = [value for value in vars(pipeline).values() if isinstance(value, type) and issubclass(value, luigi.Task)]
+    for task in tasks:
+        for name, _ in task.get_params():
+            option = f"--{name}".replace("_", "-")
+            assert not any(s.startswith(option) for s in settings), f"{task.__name__} {option} abbreviates a setting"
+    parsed = luigi.cmdline_parser.CmdlineParser(["Evaluate", "--step", "3", "--eval-mode", "text-only"]).known_args
+    assert parsed.eval_mode == "text-only"
