@@ -7,18 +7,24 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 
 import luigi
 import pytest
 
 import retool.sampling.progress
 from retool.config.settings import RunSettings
+from retool.files.layout import RunFolder
 from retool.sampling.contract import SampleRequest, SamplingSettings, sample_checked
 from retool.sampling.server import start_server, stop_server
 from retool.sampling.server_client import ServerSampler
 from retool.weights.checkpoint import Checkpoint
+from tests.conftest import REPO
 from tests.pipeline_helpers import TRAIN, step_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -169,3 +175,41 @@ def test_the_server_sleeps_while_a_step_trains_and_wakes_after(configure, server
     trained = calls.index("train")
     assert "sleep" in calls[:trained] and calls[trained + 1 :] == ["wake"]
     assert (step_dir(settings, 0) / "checkpoint/_SUCCESS").exists()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_serve_stops_with_its_vllm_processes_on_a_signal_and_removes_its_record(signum, tiny_model_dir, tmp_path):
+    import psutil
+
+    port = free_port()
+    config = tmp_path / "serve.cfg"
+    config.write_text(
+        f"[run]\ndevice = cpu\nruns_dir = {tmp_path}\n[model]\nname = {tiny_model_dir}\n"
+        f"[rollout]\nmax_trajectory_tokens = 900\ntrainer_max_tokens = 1024\n[sampler]\nserver_port = {port}\n"
+    )
+    command = [sys.executable, "-m", "retool", "serve", "--config", str(config), "--run-name", "served"]
+    serve = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    record = RunFolder(tmp_path / "served").server_record
+    deadline = time.monotonic() + 300
+    while not record.exists() and serve.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert record.exists(), serve.communicate(timeout=60)[0]
+    server_pid = json.loads(record.read_text())["pid"]
+    group = [p.pid for p in psutil.process_iter(["pid"]) if _group_of(p.pid) == server_pid]
+    assert server_pid in group
+
+    serve.send_signal(signum)
+    output = serve.communicate(timeout=90)[0]
+    assert serve.returncode == 0, output
+    assert "stopping the vLLM server" in output and output.rstrip().endswith("stopped")
+    assert not [pid for pid in group if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+    assert not record.exists()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", port))  # the port is free again
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None

@@ -1,36 +1,71 @@
-"""`python -m retool serve`: starts vLLM's OpenAI-compatible server for the run's model and waits."""
+"""`python -m retool serve`: starts vLLM's OpenAI-compatible server for a run's model and waits. Every command of
+that run with [sampler] engine = vllm-server samples through it. Ctrl-C or SIGTERM stops it (vLLM's processes
+too) and removes its record."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 
+from retool.config.settings import SettingsError
 from retool.files.layout import RunFolder
 from retool.sampling.server import start_server, stop_server, write_record
 
 
+class Stopped(Exception):
+    """SIGINT or SIGTERM arrived."""
+
+
+def stop_on_signal(signum, frame) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
 def main() -> None:
+    import luigi
 
     from pipeline.config import current_settings
 
-    parser = argparse.ArgumentParser(
-        prog="python -m retool serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="python -m retool serve", description=__doc__)
+    parser.add_argument("--config", help="a config file layered on luigi.cfg, as LUIGI_CONFIG_PATH would be")
+    parser.add_argument("--run-name", help="the run it serves (default: [run] name)")
     parser.add_argument("--port", type=int, help="port to listen on (default: [sampler] server_port)")
     args = parser.parse_args()
-    settings = current_settings()
+    config = luigi.configuration.get_config()
+    if args.config:
+        config.add_config_path(args.config)
+    if args.run_name:
+        config.set("run", "name", args.run_name)
+    try:
+        settings = current_settings()
+    except SettingsError as error:
+        parser.exit(2, f"python -m retool serve: {error}\n")
     port = args.port or settings.sampler.server_port
     folder = RunFolder(settings.run_dir)
-    log_path = folder.server_log
-    print(f"starting vLLM for {settings.model.name} on port {port} (log: {log_path})", flush=True)
-    process, url = start_server(settings, port, log_path)
-    write_record(settings, url, process.pid, "user")
-    print(f"serving at {url}; recorded in {folder.server_record}. Ctrl-C stops it.", flush=True)
+    # Python's own handlers, installed after every import: a native extension's (polars') restarts the wait.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop_on_signal)
+    print(
+        f"starting vLLM for run {settings.run.name} ({settings.model.name}) on port {port} (log: {folder.server_log})",
+        flush=True,
+    )
+    process = None
     try:
+        process, url = start_server(settings, port, folder.server_log)
+        write_record(settings, url, process.pid, "user")
+        print(f"serving at {url}; recorded in {folder.server_record}. Ctrl-C stops it.", flush=True)
         process.wait()
-    except KeyboardInterrupt:
-        stop_server(process)
+        print(f"the vLLM server exited with code {process.returncode}; see {folder.server_log}", flush=True)
+    except SettingsError as error:
+        parser.exit(2, f"python -m retool serve: {error}\n")
+    except Stopped as signal_name:
+        print(f"{signal_name}: stopping the vLLM server", flush=True)
     finally:
-        (folder.server_record).unlink(missing_ok=True)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        if process is not None:
+            stop_server(process)
+            folder.server_record.unlink(missing_ok=True)
+            print("stopped", flush=True)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,9 +21,11 @@ from retool.config.sampler import engine_dtype
 from retool.config.settings import RunSettings, SettingsError
 from retool.files.atomic import write_text_atomically
 from retool.files.layout import RunFolder
-from retool.sampling.server_client import is_healthy
+from retool.sampling.server_client import is_healthy, served_model
 from retool.sampling.vllm_engine import CPU_ENVIRONMENT
 from retool.weights.models import resolve_model
+
+log = logging.getLogger(__name__)
 
 START_TIMEOUT_SECONDS = 900.0  # a large model's first start compiles its CUDA graphs
 
@@ -59,8 +63,43 @@ def server_environment(settings: RunSettings) -> dict[str, str]:
     return {**CPU_ENVIRONMENT, **environment} if settings.run.device == "cpu" else environment
 
 
+def listening_pid(port: int) -> int | None:
+    """The process that listens on TCP `port` (psutil, which vLLM itself depends on); None when none does or
+    the system does not say."""
+    import psutil
+
+    for connection in psutil.net_connections(kind="tcp"):
+        if connection.status == psutil.CONN_LISTEN and connection.laddr and connection.laddr.port == port:
+            return connection.pid
+    return None
+
+
+def describe_process(pid: int | None) -> str:
+    import psutil
+
+    try:
+        return f"pid {pid} ({' '.join(psutil.Process(pid).cmdline())[:120]})"
+    except (psutil.Error, TypeError, ValueError):
+        return "another process" if pid is None else f"pid {pid}"
+
+
+def check_port_free(port: int) -> None:
+    """A port in use is an error naming what holds it: a server started there would exit, and a readiness
+    check would be answered by the other one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            raise SettingsError(
+                f"setting [sampler] server_port = {port}: the port is in use by {describe_process(listening_pid(port))}"
+                "; stop it, or give this run another port (--sampler-server-port)"
+            ) from None
+
+
 def start_server(settings: RunSettings, port: int, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """Starts a server and waits until it answers; its output goes to `log_path`."""
+    """Starts a server and waits until the process it started answers on `port` (not another server that
+    holds it); its output goes to `log_path`. Stopped again if the wait fails or is interrupted."""
+    check_port_free(port)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         process = subprocess.Popen(
@@ -68,38 +107,65 @@ def start_server(settings: RunSettings, port: int, log_path: Path) -> tuple[subp
             stdout=log,
             stderr=subprocess.STDOUT,
             env=server_environment(settings),
-            start_new_session=True,  # Ctrl-C in a pipeline command reaches the command, which stops it
+            start_new_session=True,  # its own process group: stopped as a whole, and Ctrl-C reaches the command only
         )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_SECONDS
-    while not is_healthy(url):
-        if process.poll() is not None:
-            raise SettingsError(f"the vLLM server for [sampler] engine = vllm-server exited at start; see {log_path}")
-        if time.monotonic() > deadline:
-            stop_server(process)
-            raise SettingsError(f"the vLLM server did not answer within {START_TIMEOUT_SECONDS:.0f} s; see {log_path}")
-        time.sleep(1.0)
+    try:
+        while not (listening_pid(port) == process.pid and is_healthy(url)):
+            if process.poll() is not None:
+                raise SettingsError(f"the vLLM server on port {port} exited at start; see {log_path}")
+            if time.monotonic() > deadline:
+                raise SettingsError(
+                    f"the vLLM server did not answer within {START_TIMEOUT_SECONDS:.0f} s; see {log_path}"
+                )
+            time.sleep(1.0)
+    except BaseException:
+        stop_server(process)
+        raise
     return process, url
 
 
-def stop_server(process: subprocess.Popen) -> None:
+def stop_server(process: subprocess.Popen, grace_seconds: float = 30.0) -> None:
+    """Stops the server's whole process group (vLLM's engine processes too): SIGTERM, then SIGKILL."""
     if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
         try:
-            process.wait(timeout=30)
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=grace_seconds)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        except ProcessLookupError:
+            pass
+    try:  # children that outlived the leader
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def write_record(settings: RunSettings, url: str, pid: int, started_by: str) -> None:
-    record = {"url": url, "pid": pid, "started_by": started_by}
+    record = {"url": url, "pid": pid, "started_by": started_by, "model": str(resolve_model(settings.model.name))}
     write_text_atomically(RunFolder(settings.run_dir).server_record, json.dumps(record) + "\n")
 
 
 def recorded_url(settings: RunSettings) -> str | None:
+    """The run's recorded server, if the process recorded is the one that answers there and it serves the run's
+    model; a record that fails either test is removed, not trusted."""
     path = RunFolder(settings.run_dir).server_record
-    return json.loads(path.read_text())["url"] if path.exists() else None
+    try:
+        record = json.loads(path.read_text())
+        url, pid = record["url"], int(record["pid"])
+        port = int(url.rsplit(":", 1)[1])
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, IndexError, TypeError):
+        path.unlink(missing_ok=True)
+        return None
+    if listening_pid(port) == pid and is_healthy(url) and served_model(url) == str(resolve_model(settings.model.name)):
+        return url
+    log.warning("%s: removed; its server (%s, pid %d) is gone or serves another model", path, url, pid)
+    path.unlink(missing_ok=True)
+    return None
 
 
 def server_urls(settings: RunSettings) -> list[str]:
@@ -112,7 +178,7 @@ def server_urls(settings: RunSettings) -> list[str]:
             raise SettingsError(f"setting [sampler] servers: no vLLM server answers at {', '.join(dead)}")
         return listed
     recorded = recorded_url(settings)
-    if recorded and is_healthy(recorded):
+    if recorded:
         return [recorded]
     if not settings.sampler.start_server:
         raise SettingsError(
