@@ -79,6 +79,20 @@ def test_config_json_nests_by_section_and_refuses_other_settings_once_a_stage_ha
     assert (tmp_path / "old" / "config.json").read_text() == written  # never rewritten
 
 
+def test_vllm_in_process_and_its_server_may_sample_for_one_run_but_not_another_engine(tmp_path):
+    settings = RunSettings().changed(run={"name": "engines", "runs_dir": str(tmp_path), "device": "cpu"})
+    freeze(settings.changed(sampler={"engine": "vllm"}))
+    (tmp_path / "engines" / "prompts.parquet").write_bytes(b"")  # a stage has finished
+    freeze(settings.changed(sampler={"engine": "vllm-server"}, run={"tracker": "wandb"}))  # same tokens, other place
+    with pytest.raises(SettingsError, match=r"\[sampler\] engine = 'hf' \(frozen: 'vllm'\)"):
+        freeze(settings.changed(sampler={"engine": "hf"}))
+    with pytest.raises(SettingsError, match=r"\[sampler\] engine = 'hf' \(frozen: 'vllm'\)"):
+        freeze(settings.changed(sampler={"engine": "auto"}))  # auto on a CPU is hf
+    config = tmp_path / "engines" / "config.json"  # a run frozen before: its engine as given then
+    config.write_text(config.read_text().replace('"engine": "vllm"', '"engine": "vllm-server"'))
+    freeze(settings.changed(sampler={"engine": "vllm"}))
+
+
 def test_a_new_run_freezes_nested_settings(tmp_path):
     settings = RunSettings(run=RunConfig(name="new", runs_dir=str(tmp_path), device="cpu"))
     freeze(settings)

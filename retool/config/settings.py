@@ -162,6 +162,17 @@ OPERATIONAL = {
         "request_timeout_seconds",
     ),
 }
+# [sampler] engine may differ too between engines that give the same tokens for the same seeds: vLLM in this
+# process and vLLM's server (a test compares them). Another engine (hf, or a scripted one) samples other tokens.
+SAME_SAMPLES = {"vllm-server": "vllm"}
+
+
+def sampled_by(engine: str, device: str) -> str:
+    """The engine whose tokens a run's samples are: `auto` resolved, vLLM's server counted as vLLM."""
+    resolved = ("vllm" if device == "cuda" else "hf") if engine == "auto" else engine
+    return SAME_SAMPLES.get(resolved, resolved)
+
+
 # Fields of a section's dataclass that are not settings (the code sets them).
 INTERNAL = {"trainer": ("objective",)}
 
@@ -174,6 +185,7 @@ def frozen(settings: RunSettings) -> dict[str, dict[str, Any]]:
     """What config.json records: the settings that shape results, `auto` resolved to what it chose."""
     sections = {name: asdict(config) for name, config in settings.sections().items()}
     sections["trainer"]["dtype"] = settings.trainer_on_device().dtype
+    sections["sampler"]["engine"] = sampled_by(settings.sampler.engine, settings.run.device)
     for section, names in {**OPERATIONAL, **INTERNAL}.items():
         for name in names:
             del sections[section][name]

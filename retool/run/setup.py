@@ -10,7 +10,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from retool.config.settings import RunSettings, SettingsError, frozen
+from retool.config.settings import RunSettings, SettingsError, frozen, sampled_by
 from retool.files.atomic import write_text_atomically
 from retool.files.layout import RunFolder
 from retool.weights.checkpoint import MARKER
@@ -88,7 +88,11 @@ def freeze(settings: RunSettings) -> None:
     path = RunFolder(settings.run_dir).config
     wanted = frozen(settings)
     if path.exists():
-        differing = differences(json.loads(path.read_text()), wanted)
+        recorded = json.loads(path.read_text())
+        if "engine" in recorded.get("sampler", {}):  # frozen before vLLM's server counted as vLLM
+            device = recorded.get("run", {}).get("device", settings.run.device)
+            recorded["sampler"]["engine"] = sampled_by(recorded["sampler"]["engine"], device)
+        differing = differences(recorded, wanted)
         if differing and has_results(settings.run_dir):
             raise SettingsError(
                 f"{path}: this run was started with other settings; differing: {', '.join(differing)}. Use the "
