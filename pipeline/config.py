@@ -1,6 +1,8 @@
 """The settings' sections as Luigi config classes: [rollout] group_size in luigi.cfg, or
 --rollout-group-size on the command line. One class per RunSettings section, one parameter per field."""
 
+import difflib
+import re
 from dataclasses import MISSING, fields
 from functools import lru_cache
 
@@ -46,20 +48,42 @@ def current_settings() -> RunSettings:
 @lru_cache(maxsize=8)
 def _settings(sections: tuple, command_line: int) -> RunSettings:
     for name, items in zip(SECTIONS, sections, strict=True):
-        known = {f.name for f in setting_fields(name, SECTIONS[name][0])}
-        unknown = sorted({key for key, _ in items} - known)
-        if unknown:
-            raise SettingsError(
-                f"unknown setting(s) {', '.join(unknown)} in section [{name}] of the config files; its settings are "
-                f"{', '.join(sorted(known))}"
-            )
+        known = [f.name for f in setting_fields(name, SECTIONS[name][0])]
+        for key in sorted({key for key, _ in items} - set(known)):
+            raise SettingsError(f"unknown setting [{name}] {key} in the config files{closest(key, known)}")
     values = {}
     for name, (config, luigi_class) in SECTIONS.items():
-        parameters = luigi_class()
+        try:
+            parameters = luigi_class()
+        except ValueError as error:  # Luigi could not parse a value: its parameter is named in the message
+            raise _unparsable(name, error) from None
         try:
             values[name] = config(**{f.name: getattr(parameters, f.name) for f in setting_fields(name, config)})
         except SettingsError:
             raise
-        except ValueError as error:
-            raise SettingsError(f"setting [{name}]: {error}") from None
+        except ValueError as error:  # "TrainerConfig.learning_rate = -1.0: must be > 0" names [trainer] learning_rate
+            message = re.sub(rf"^{config.__name__}[.:]\s*", "", str(error))
+            raise SettingsError(f"setting [{name}] {message}") from None
     return RunSettings(**values)
+
+
+def closest(name: str, known: list[str]) -> str:
+    """'; did you mean group_size?' for a misspelling, else the section's names."""
+    match = difflib.get_close_matches(name, known, n=1)
+    return f"; did you mean {match[0]}?" if match else f"; its settings are {', '.join(sorted(known))}"
+
+
+KINDS = {luigi.BoolParameter: "true or false", luigi.IntParameter: "an integer", luigi.FloatParameter: "a number"}
+
+
+def _unparsable(section: str, error: ValueError) -> SettingsError:
+    name = re.search(r"value of '(\w+)'", str(error))
+    if name is None:
+        return SettingsError(f"setting [{section}]: {error}")
+    name = name.group(1)
+    parameter = getattr(SECTIONS[section][1], name)
+    command_line = luigi.cmdline_parser.CmdlineParser.get_instance()
+    given = getattr(command_line.known_args, f"{section}_{name}", None) if command_line else None
+    if given is None:
+        given = luigi.configuration.get_config().get(section, name, None)
+    return SettingsError(f"setting [{section}] {name} = {given!r}: must be {KINDS.get(type(parameter), 'valid')}")

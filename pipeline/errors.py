@@ -1,13 +1,17 @@
-"""Input errors as one line. A bad setting, data file or run folder is found while the command builds
-its task, before anything is scheduled: Luigi reports it as an uncaught exception with a traceback, which
-this filter turns into the error's own message (RETOOL_DEBUG=1 keeps the traceback)."""
+"""Input errors as one line, and a misspelt option answered with the closest real one. A bad setting, data
+file or run folder is found while the command builds its task, before anything is scheduled: Luigi reports
+it as an uncaught exception with a traceback, which this filter turns into the error's own message
+(RETOOL_DEBUG=1 keeps the traceback)."""
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import logging
 import os
 import re
 
+import luigi.cmdline_parser
 from luigi.rpc import RPCError
 
 from retool.config.settings import SettingsError
@@ -44,3 +48,28 @@ def unreachable(error: RPCError) -> str:
 
 
 logging.getLogger("luigi-interface").addFilter(InputErrorsAsOneLine())
+
+
+class SuggestingParser(argparse.ArgumentParser):
+    """Luigi's command-line parser, naming the closest real option of a misspelt one."""
+
+    def error(self, message: str):
+        hints = []
+        if message.startswith("unrecognized arguments"):
+            options = [option for action in self._actions for option in action.option_strings]
+            for unknown in re.findall(r"--[\w-]+", message):
+                match = difflib.get_close_matches(unknown, options, n=1)
+                hints += [f"{unknown}: did you mean {match[0]}?"] if match else []
+        super().error("; ".join([message, *hints]))
+
+
+_build_parser = luigi.cmdline_parser.CmdlineParser._build_parser
+
+
+def _build_suggesting_parser(*args, **kwargs) -> argparse.ArgumentParser:
+    parser = _build_parser(*args, **kwargs)
+    parser.__class__ = SuggestingParser  # Luigi builds a plain ArgumentParser and offers no hook for its errors
+    return parser
+
+
+luigi.cmdline_parser.CmdlineParser._build_parser = staticmethod(_build_suggesting_parser)

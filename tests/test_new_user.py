@@ -185,3 +185,35 @@ def test_no_task_option_is_an_abbreviation_of_a_setting():
             assert not any(s.startswith(option) for s in settings), f"{task.__name__} {option} abbreviates a setting"
     parsed = luigi.cmdline_parser.CmdlineParser(["Evaluate", "--step", "3", "--eval-mode", "text-only"]).known_args
     assert parsed.eval_mode == "text-only"
+
+
+@pytest.mark.parametrize(
+    "arguments, line",
+    [
+        (["--rollout-group-size", "abc"], "setting [rollout] group_size = 'abc': must be an integer"),
+        (["--trainer-learning-rate", "-1"], "setting [trainer] learning_rate = -1.0: must be > 0"),
+        (["--rollout-top-p", "2"], "setting [rollout] top_p = 2.0: must be in (0, 1]"),
+        (["--rollout-group-sise", "4"], "--rollout-group-sise: did you mean --rollout-group-size?"),
+    ],
+)
+def test_a_bad_setting_on_the_command_line_is_one_line_naming_it(arguments, line, tmp_path):
+    result = run_cli("Prompts", "--step", "0", "--run-device", "cpu", "--run-runs-dir", str(tmp_path), *arguments)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and line in output, output[-2000:]
+    assert "Traceback" not in output and max(map(len, output.splitlines())) < 300
+
+
+@pytest.mark.parametrize(
+    "command", [["-m", "luigi", "--module", "pipeline", "Prompts", "--step", "0"], ["-m", "retool", "serve"]]
+)
+def test_a_misspelt_setting_in_a_config_file_names_the_closest_real_one(command, tmp_path):
+    config = tmp_path / "bad.cfg"
+    config.write_text("[run]\ndevice = cpu\n[rollout]\ngroup_sise = 4\n")
+    environment = {**os.environ, "LUIGI_CONFIG_PATH": str(config)}
+    result = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, env=environment)
+    output = result.stdout + result.stderr
+    assert (
+        result.returncode != 0
+        and "unknown setting [rollout] group_sise in the config files; did you mean group_size?" in output
+    )
+    assert "Traceback" not in output

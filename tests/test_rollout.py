@@ -279,7 +279,7 @@ def _request():
 )
 @pytest.mark.parametrize("value", [0, -1])
 def test_edge_8_non_positive_settings_are_rejected(field, value):
-    with pytest.raises(ValueError, match=f"RolloutConfig.{field} must be a positive integer"):
+    with pytest.raises(ValueError, match=f"RolloutConfig.{field} = {value}: must be a positive integer"):
         RolloutConfig(**{field: value})
 
 

@@ -44,7 +44,7 @@ def test_a_misspelt_setting_is_refused_with_the_section_s_settings(configure):
     try:
         with pytest.raises(
             SettingsError,
-            match=r"unknown setting\(s\) grop_size in section \[rollout\] of the config files; its settings are",
+            match=r"unknown setting \[rollout\] grop_size in the config files; did you mean group_size\?",
         ):
             current_settings()
     finally:

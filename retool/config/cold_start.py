@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from retool.config.checks import require
+
 
 @dataclass(frozen=True)
 class ColdStartConfig:
@@ -20,9 +22,7 @@ class ColdStartConfig:
     def __post_init__(self) -> None:
         if self.data.strip().lower() == "none":
             object.__setattr__(self, "data", "")  # recorded as no cold start, the same as ""
-        if self.steps <= 0 or self.batch_size <= 0 or self.save_every < 0 or self.lora_rank < 0:
-            raise ValueError(
-                f"ColdStartConfig needs steps > 0, batch_size > 0, save_every >= 0 and lora_rank >= 0, got {self}"
-            )
-        if self.learning_rate <= 0:
-            raise ValueError(f"ColdStartConfig.learning_rate must be positive, got {self.learning_rate}")
+        for name in ("steps", "batch_size", "learning_rate"):
+            require(self, name, getattr(self, name) > 0, "> 0")
+        require(self, "save_every", self.save_every >= 0, ">= 0 (0: no resume points)")
+        require(self, "lora_rank", self.lora_rank >= 0, ">= 0 (0: full fine-tuning)")

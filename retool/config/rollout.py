@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from retool.config.checks import require
+
 # Seed layout, high bits to low: base seed | step + 1 | question | turn | branch. Every field has its
 # own bits, so two different sampling calls can never share a seed (the reference's seed + index +
 # 10000 * turn could). The branch sits lowest because vLLM seeds the n children of one request with
@@ -72,10 +74,10 @@ class RolloutConfig:
             "shards",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"RolloutConfig.{name} must be a positive integer, got {value!r}")
-        if self.eval_shard_sequences < 0:
-            raise ValueError(f"RolloutConfig.eval_shard_sequences must be >= 0, got {self.eval_shard_sequences}")
+            require(
+                self, name, isinstance(value, int) and not isinstance(value, bool) and value > 0, "a positive integer"
+            )
+        require(self, "eval_shard_sequences", self.eval_shard_sequences >= 0, ">= 0")
         if self.max_trajectory_tokens > self.trainer_max_tokens:
             raise ValueError(
                 f"RolloutConfig.max_trajectory_tokens={self.max_trajectory_tokens} exceeds the trainer's context "
@@ -86,10 +88,8 @@ class RolloutConfig:
                 f"RolloutConfig.min_tool_response_tokens={self.min_tool_response_tokens} exceeds "
                 f"max_tool_response_tokens={self.max_tool_response_tokens}"
             )
-        if not self.temperature > 0 or not 0 < self.top_p <= 1:
-            raise ValueError(
-                f"RolloutConfig needs temperature > 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}"
-            )
+        require(self, "temperature", self.temperature > 0, "> 0")
+        require(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
         limits = {"seed": self.seed, "group_index": self.group_size - 1, "turn": self.max_assistant_turns - 1}
         for name, bits in SEED_FIELDS:
             if name in limits and not 0 <= limits[name] < 2**bits:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from retool.config.checks import require
+
 OBJECTIVES = ("ppo", "sft")
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -37,13 +39,11 @@ class TrainerConfig:
     seed: int = 42  # initial LoRA weights
 
     def __post_init__(self) -> None:
-        if self.lora_rank < 0 or self.learning_rate <= 0 or self.max_grad_norm <= 0:
-            raise ValueError(f"TrainerConfig needs lora_rank >= 0, learning_rate > 0, max_grad_norm > 0; got {self}")
-        if not 0 < self.clip_low < 1 or self.clip_high <= 0:
-            raise ValueError(
-                "TrainerConfig clip thresholds must satisfy 0 < clip_low < 1 and clip_high > 0, got "
-                f"{self.clip_low}, {self.clip_high}"
-            )
+        require(self, "lora_rank", self.lora_rank >= 0, ">= 0 (0: full fine-tuning)")
+        require(self, "learning_rate", self.learning_rate > 0, "> 0")
+        require(self, "max_grad_norm", self.max_grad_norm > 0, "> 0")
+        require(self, "clip_low", 0 < self.clip_low < 1, "in (0, 1)")
+        require(self, "clip_high", self.clip_high > 0, "> 0")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"TrainerConfig.objective must be one of {OBJECTIVES}, got {self.objective!r}")
         if self.loss_aggregation not in LOSS_AGGREGATIONS:
@@ -52,13 +52,8 @@ class TrainerConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"TrainerConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.micro_batch_items <= 0 or self.micro_batch_tokens <= 0:
-            raise ValueError("TrainerConfig micro-batch bounds must be positive")
-        if self.ppo_mini_batches <= 0 or self.ppo_epochs <= 0:
-            raise ValueError(
-                f"TrainerConfig needs ppo_mini_batches > 0 and ppo_epochs > 0, got {self.ppo_mini_batches}, "
-                f"{self.ppo_epochs}"
-            )
+        for name in ("micro_batch_items", "micro_batch_tokens", "ppo_mini_batches", "ppo_epochs"):
+            require(self, name, getattr(self, name) > 0, "> 0")
 
 
 def resolved_dtype(dtype: str, device: str) -> str:
