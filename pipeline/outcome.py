@@ -15,10 +15,44 @@ import luigi.retcodes
 
 _failures: list[str] = []  # "Task(...): error", in the order this process saw them
 _command: dict = {}  # the task the command line names, as it was when it was made
+_running: list[str] = []  # the tasks this process has started and not yet finished, by label
+_finished: list[str] = []  # the tasks this process has finished, by label
+_interrupted: list[str] = []  # the signal that stopped the command (Ctrl-C: SIGINT), once it has
+
+
+def note_start(task: luigi.Task) -> None:
+    _running.append(task.label())
+
+
+def note_end(task: luigi.Task, finished: bool) -> None:
+    if task.label() in _running:
+        _running.remove(task.label())
+    if finished:
+        _finished.append(task.label())
 
 
 def note_failure(task: luigi.Task, error: Exception) -> None:
     _failures.append(f"{task.task_family}: {error}")
+
+
+def interrupted_line(name: str) -> str:
+    running = f"while {', '.join(_running)} ran" if _running else "between tasks"
+    finished = f"; finished before: {', '.join(_finished)}" if _finished else ""
+    return (
+        f"{name}: interrupted (Ctrl-C) {running}{finished}. What it had not finished is not written; the same "
+        "command goes on from there"
+    )
+
+
+def _quiet_interrupt(kind, error, traceback) -> None:
+    """Ctrl-C is an ending, not an error: its traceback (from wherever the command was) only with RETOOL_DEBUG."""
+    if issubclass(kind, KeyboardInterrupt) and not os.environ.get("RETOOL_DEBUG"):
+        _interrupted.append("SIGINT")
+        return
+    _excepthook(kind, error, traceback)
+
+
+_excepthook, sys.excepthook = sys.excepthook, _quiet_interrupt
 
 
 def watch_if_named_on_the_command_line(task: luigi.Task) -> None:
@@ -74,6 +108,10 @@ def _finish() -> None:
     running" or "not run"); [retcode] task_failed when a task it needs failed here or on another node."""
     if not _command:
         return
+    if _interrupted:
+        print(interrupted_line(_command["name"]), flush=True)
+        logging.shutdown()
+        os._exit(130)  # 128 + SIGINT, as a shell reports it
     complete = all(target.exists() for target in _command["outputs"])
     scheduler = _command["scheduler"]
     failed = failed_in_the_scheduler(scheduler, _command["task_id"]) if scheduler and not complete else []

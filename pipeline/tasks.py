@@ -11,7 +11,7 @@ from pathlib import Path
 import luigi
 
 from pipeline.config import current_settings
-from pipeline.outcome import note_failure, watch_if_named_on_the_command_line
+from pipeline.outcome import note_end, note_failure, note_start, watch_if_named_on_the_command_line
 from retool.evaluation.metrics import record_stage_seconds
 from retool.evaluation.report import make_report
 from retool.evaluation.scores import EVAL_MODES, describe_eval
@@ -101,10 +101,17 @@ class RunTask(luigi.Task):
 @RunTask.event_handler(luigi.Event.START)
 def _note_start(task: RunTask) -> None:
     task.parquet_seconds_at_start = parquet_seconds()
+    note_start(task)
+
+
+@RunTask.event_handler(luigi.Event.SUCCESS)
+def _note_success(task: RunTask) -> None:
+    note_end(task, finished=True)
 
 
 @RunTask.event_handler(luigi.Event.FAILURE)
 def _note_failure(task: RunTask, error: Exception) -> None:
+    note_end(task, finished=False)
     note_failure(task, error)
 
 

@@ -217,3 +217,57 @@ def test_a_misspelt_setting_in_a_config_file_names_the_closest_real_one(command,
         and "unknown setting [rollout] group_sise in the config files; did you mean group_size?" in output
     )
     assert "Traceback" not in output
+
+
+@pytest.mark.slow
+def test_ctrl_c_is_one_line_saying_what_was_interrupted_and_leaves_nothing_behind(tmp_path, tiny_model_dir):
+    import signal
+
+    import psutil
+
+    arguments = [
+        "ScoreTrajectories",
+        "--step",
+        "0",
+        "--run-runs-dir",
+        str(tmp_path),
+        "--model-name",
+        str(tiny_model_dir),
+    ]
+    policy = ["--sampler-engine", "scripted:tests.policies:paced_branching_tools", "--cold-start-data", "none"]
+    command = [sys.executable, "-m", "luigi", "--module", "pipeline", *arguments, *policy]
+    environment = {**os.environ, "LUIGI_CONFIG_PATH": "configs/cpu.cfg", "PYTHONUNBUFFERED": "1"}
+    temporary = set(Path("/tmp").glob("retool-*"))
+    # Its own process group, as a terminal's foreground job: Ctrl-C reaches every process in it.
+    command_process = subprocess.Popen(
+        command,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environment,
+        start_new_session=True,
+    )
+    lines = []
+    for line in command_process.stdout:
+        lines.append(line)
+        if line.startswith("Prompts(step=0): "):
+            break
+    time.sleep(2.0)  # well into the first round's sampling
+    children = psutil.Process(command_process.pid).children(recursive=True)
+    os.killpg(command_process.pid, signal.SIGINT)
+    output = "".join(lines) + command_process.communicate(timeout=120)[0]
+    assert command_process.returncode == 130, output
+    assert (
+        output.rstrip()
+        .splitlines()[-1]
+        .startswith(
+            "ScoreTrajectories(step=0): interrupted (Ctrl-C) while SampleRound(step=0, round=0, shard=0) ran; "
+            "finished before: Prompts(step=0)."
+        )
+    ), output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    time.sleep(1.0)
+    assert not [child.pid for child in children if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
+    assert set(Path("/tmp").glob("retool-*")) <= temporary
+    assert not list((tmp_path / "cpu-default" / "step=0000").glob("shard=00/round=00/samples.parquet"))

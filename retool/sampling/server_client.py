@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import tempfile
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -63,7 +62,9 @@ class ServerSampler:
         self.model = self.base_model  # the name requests are sampled under now
         self.policy: Policy | None = None  # the policy sampled from; None = the server's own model
         self.weights = Path(self.base_model)  # the full weights the server holds now
-        self._adapters = Path(tempfile.mkdtemp(prefix="retool-adapters-"))  # adapters renamed for the engine
+        # Adapters renamed for the engine; removed by close(), or when the process exits without closing it.
+        self._adapters_folder = tempfile.TemporaryDirectory(prefix="retool-adapters-")
+        self._adapters = Path(self._adapters_folder.name)
         self._workers = workers  # HTTP calls at once, one per request: the server batches them
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0  # the process the pool's threads run in (a forked worker needs its own)
@@ -115,7 +116,7 @@ class ServerSampler:
         if self._pool is not None and self._pool_pid == os.getpid():
             self._pool.shutdown(wait=False)
         self._pool, self._pool_pid = None, 0
-        shutil.rmtree(self._adapters, ignore_errors=True)
+        self._adapters_folder.cleanup()
 
     def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
         if not requests:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,12 +74,14 @@ class VLLMSampler:
         self.lora_request = None  # the adapter every request is sampled with, if any
         self._lora_ids = 0  # adapters served so far: each gets a new id
         self.sleeping = False  # weights offloaded to CPU memory and KV cache freed (sleep mode, GPU only)
-        self._adapters = Path(tempfile.mkdtemp(prefix="retool-adapters-"))  # adapters renamed for the engine
+        # Adapters renamed for the engine; removed by close(), or when the process exits without closing it.
+        self._adapters_folder = tempfile.TemporaryDirectory(prefix="retool-adapters-")
+        self._adapters = Path(self._adapters_folder.name)
 
     def close(self) -> None:
         """Stops the engine and frees its memory now, not when the process ends."""
         self._stop_engine()
-        shutil.rmtree(self._adapters, ignore_errors=True)
+        self._adapters_folder.cleanup()
 
     def _stop_engine(self) -> None:
         if self.llm is not None:
