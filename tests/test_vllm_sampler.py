@@ -170,3 +170,49 @@ def test_progress_counts_sequences_in_lines_when_stderr_is_not_a_terminal(engine
     lines = capsys.readouterr().err.splitlines()
     progress = [line for line in lines if line.startswith("sampling: ")]
     assert progress and progress[-1].startswith("sampling: 4/4 sequences") and "toks/s" in progress[-1], lines
+
+
+def test_a_command_starts_its_engine_once_on_the_policy_and_logs_vllm_to_the_run(
+    engine, tiny_model_dir, tmp_path, monkeypatch, capfd
+):
+    """An evaluation of a full-weights checkpoint starts one engine, on those weights (not the model first, then
+    again); vLLM's own lines go to runs/<run>/sampler-engine.log."""
+    import shutil
+
+    import vllm
+
+    import retool.sampling.engines as engines
+    from retool.config.settings import RunSettings
+    from retool.files.layout import RunFolder
+    from retool.weights.checkpoint import Policy
+
+    engine.close()  # one in-process CPU engine at a time: stopping a second one tears down the first's groups
+    starts = []
+
+    class CountedLLM(vllm.LLM):
+        def __init__(self, model, **options):
+            starts.append(model)
+            super().__init__(model=model, **options)
+
+    monkeypatch.setattr(vllm, "LLM", CountedLLM)
+    monkeypatch.delenv("RETOOL_DEBUG", raising=False)
+    weights = shutil.copytree(tiny_model_dir, tmp_path / "checkpoint" / "model")
+    settings = RunSettings().changed(
+        run={"device": "cpu", "runs_dir": str(tmp_path / "runs")},
+        model={"name": str(tiny_model_dir)},
+        sampler={"engine": "vllm"},
+        rollout={"max_trajectory_tokens": 512, "trainer_max_tokens": 1024},
+        trainer={"lora_rank": 0},
+    )
+    capfd.readouterr()
+    sampler = engines.sampler_for(settings, Policy(weights, None))
+    try:
+        assert starts == [str(weights)]
+        assert len(sampler.sample(requests(), SamplingSettings())) == 2
+        assert engines.sampler_for(settings, Policy(weights, None)) is sampler and starts == [str(weights)]
+    finally:
+        engines._engines.clear()
+        sampler.close()
+    shown = capfd.readouterr()
+    assert " INFO " in RunFolder(settings.run_dir).engine_log.read_text()
+    assert "INFO" not in shown.out + shown.err, (shown.out + shown.err)[-2000:]

@@ -113,6 +113,11 @@ class RunFolder:
         return self.path / "sampler-server.log"
 
     @property
+    def engine_log(self) -> Path:
+        """vLLM's own log lines, of every command of the run that samples in-process (RETOOL_DEBUG=1: the terminal)."""
+        return self.path / "sampler-engine.log"
+
+    @property
     def tensorboard(self) -> Path:
         return self.path / "tensorboard"
 

