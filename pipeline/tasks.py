@@ -354,8 +354,8 @@ class Evaluate(EvaluationTask):
 
 
 class Report(RunTask):
-    """Once training step `step` is done: plots and a Markdown summary of everything the run folder holds
-    (later steps too, if any), under runs/<run>/report/step=NNNN/ (`python -m retool report runs/NAME` by hand)."""
+    """Once training step `step` is done: plots and a Markdown summary of steps 0..step and the evaluations of
+    their checkpoints, under runs/<run>/report/step=NNNN/ (`python -m retool report runs/NAME` by hand, of all)."""
 
     def requires(self):
         return TrainStep(step=self.step)
@@ -363,9 +363,14 @@ class Report(RunTask):
     def output(self):
         return self.target(self.context.run_folder.report(self.step) / REPORT)
 
+    def complete(self):
+        """Built, and newer than every file it draws: a new evaluation of a checkpoint it shows rebuilds it."""
+        report = Path(self.output().path)
+        return report.exists() and not self.context.run_folder.changed_since(report, self.step)
+
     def run(self):
         self.summary = f"plots and summary of {self.step + 1} steps"
-        make_report(self.context.run.run_dir, self.context.run_folder.report(self.step))
+        make_report(self.context.run.run_dir, self.context.run_folder.report(self.step), self.step)
 
 
 class BeforeAfter(EvaluationTask):
@@ -392,5 +397,5 @@ class BeforeAfter(EvaluationTask):
         run_folder = self.context.run_folder
         trained = training_sources(self.context.run)
         self.summary = "\n" + before_after_stage(
-            run_folder.path, evaluations, trained, self.output().path, run_folder.report(self.step)
+            run_folder.path, evaluations, trained, self.output().path, run_folder.report(self.step), self.step
         )

@@ -6,6 +6,7 @@ import math
 
 import luigi
 import matplotlib.pyplot as plt
+import numpy as np
 import polars as pl
 import pytest
 from PIL import Image
@@ -161,7 +162,42 @@ def test_every_plot_has_data_or_says_why_not():
 def test_a_run_without_tool_calls_says_so():
     metrics = pl.DataFrame({"step": [0], "valid_tool_call_rate": [NAN], "code_calls": [0.0], "turns": [1.0]})
     figure = plot_tool_use(metrics)
-    notes = [text.get_text() for text in figure.axes[0].texts]
-    assert notes == ["valid tool-call rate: none (no tool calls)"]
-    assert [entry.get_text() for entry in figure.axes[0].get_legend().get_texts()] == ["code calls", "assistant turns"]
+    rate, counts = figure.axes
+    assert [text.get_text() for text in rate.texts] == ["no tool calls"] and not rate.get_legend()
+    assert [entry.get_text() for entry in counts.get_legend().get_texts()] == ["code calls", "assistant turns"]
     plt.close(figure)
+
+
+def test_a_report_of_step_n_draws_steps_up_to_n_and_names_each_checkpoint(two_step_run, tmp_path):
+    report = make_report(two_step_run.run_dir, tmp_path / "step0", step=0).read_text()
+    training = report.split("## Training")[1].split("## Sandbox")[0]
+    assert "| 0 |" in training and "| 1 |" not in training
+    evaluation = report.split("## Evaluation")[1].split("## Worst")[0]
+    assert "| base |" in evaluation and "step 1" not in evaluation  # the step-1 checkpoint is after step 0
+    full = make_report(two_step_run.run_dir, tmp_path / "step1", step=1).read_text()
+    assert "| base |" in full and "| step 1 |" in full and "| all 260 |" in full  # every question of the data set asked
+    assert "train_loss" not in full.split("## Training")[1].split("| step |")[1].split("\n")[0]
+
+
+def test_quantiles_are_interpolated_and_rates_and_counts_have_their_own_axes(two_step_run):
+    lengths = pl.read_parquet(two_step_run.run_dir / "step=0000" / "trajectories.parquet")["trajectory_tokens"]
+    table = length_distributions(two_step_run.run_dir)
+    assert table["trajectory_tokens_p50"][0] == pytest.approx(float(np.median(lengths.to_numpy())))  # not nearest
+    figure = plot_tool_use(metrics_by_step(two_step_run.run_dir))
+    rate, counts = figure.axes
+    assert [line.get_label() for line in rate.lines] == ["valid tool-call rate"] and rate.get_ylim()[1] <= 1.1
+    assert {line.get_label() for line in counts.lines} == {"code calls", "assistant turns"}
+    plt.close(figure)
+
+
+def test_the_report_task_is_built_again_when_an_evaluation_it_shows_is_newer(two_step_run):
+    report_task = pipeline.tasks.Report(step=1)
+    assert not report_task.complete()  # the fixture's evaluations ran after it
+    assert luigi.build([report_task], local_scheduler=True, workers=1, log_level="WARNING")
+    assert report_task.complete()
+    summary = next((two_step_run.run_dir / "eval").glob("*/*/step=0001/summary.parquet"))
+    summary.touch()
+    assert not report_task.complete()
+    assert luigi.build([report_task], local_scheduler=True, workers=1, log_level="WARNING")
+    assert report_task.complete()
+    assert not pipeline.tasks.Report(step=0).complete()  # never built

@@ -43,13 +43,15 @@ def tool_success_by_round(run: str | Path) -> pl.DataFrame:
     )
 
 
-def sandbox_error_kinds(run: str | Path) -> pl.DataFrame:
-    """Failed calls by the exception named on the last line of their output (Timeout for timeouts)."""
+def sandbox_error_kinds(run: str | Path, up_to_step: int | None = None) -> pl.DataFrame:
+    """Failed calls (of steps up to `up_to_step`, None: all) by the exception named on the last line of their
+    output (Timeout for timeouts)."""
     scan = _scan(RunFolder(Path(run)).round_files(OBSERVATIONS))
     if scan is None:
         return _empty(error=pl.String, calls=pl.UInt32)
+    steps = pl.col("step") <= up_to_step if up_to_step is not None else pl.lit(True)
     return (
-        scan.filter(pl.col("exec_status").is_in(["error", "timeout"]))
+        scan.filter(pl.col("exec_status").is_in(["error", "timeout"]) & steps)
         .with_columns(
             pl.when(pl.col("exec_status") == "timeout")
             .then(pl.lit("Timeout"))
@@ -77,7 +79,11 @@ def length_distributions(run: str | Path) -> pl.DataFrame:
     return (
         scan.group_by("step")
         .agg(
-            *[pl.col(c).quantile(q).alias(f"{c}_p{int(q * 100)}") for c in columns for q in (0.1, 0.5, 0.9)],
+            *[  # interpolated, as numpy's default: the median of 370 and 387 is 378.5, not one of them
+                pl.col(c).quantile(q, interpolation="linear").alias(f"{c}_p{int(q * 100)}")
+                for c in columns
+                for q in (0.1, 0.5, 0.9)
+            ],
             *[pl.col(c).max().alias(f"{c}_max") for c in columns],
         )
         .sort("step")
@@ -106,13 +112,15 @@ def solve_rates(run: str | Path) -> pl.DataFrame:
     )
 
 
-def worst_trajectories(run: str | Path, count: int = 10) -> pl.DataFrame:
-    """Wrong trajectories that cost the most tokens, with how they ended: the ones to read first."""
+def worst_trajectories(run: str | Path, count: int = 10, up_to_step: int | None = None) -> pl.DataFrame:
+    """Wrong trajectories (of steps up to `up_to_step`, None: all) that cost the most tokens, with how they
+    ended: the ones to read first."""
     scan = _scan(RunFolder(Path(run)).step_files(TRAJECTORIES))
     if scan is None:
         return _empty(step=pl.Int32)
+    steps = pl.col("step") <= up_to_step if up_to_step is not None else pl.lit(True)
     return (
-        scan.filter(~pl.col("correct"))
+        scan.filter(~pl.col("correct") & steps)
         .sort(["trajectory_tokens", "step", "question_index", "group_index"], descending=[True, False, False, False])
         .select(
             "step",
@@ -148,4 +156,14 @@ def eval_by_checkpoint(run: str | Path) -> pl.DataFrame:
     )
     is_sft = pl.col("policy") == "sft" if "policy" in evals.columns else pl.lit(False)
     position = pl.when(pl.col("step") >= 0).then(pl.col("step")).when(is_sft).then(-1).otherwise(-2)
-    return evals.with_columns(position.alias("position")).sort("evaluation", "position")
+    checkpoint = pl.when(position == -2).then(pl.lit("base")).when(position == -1).then(pl.lit("SFT"))
+    checkpoint = checkpoint.otherwise(pl.format("step {}", pl.col("step")))
+    limit = pl.col("questions_limit") if "questions_limit" in evals.columns else pl.lit(None)
+    questions = (
+        pl.when(limit.fill_null(0) > 0)
+        .then(pl.format("first {}", pl.col("questions")))
+        .otherwise(pl.format("all {}", pl.col("questions")))
+    )
+    return evals.with_columns(
+        position.alias("position"), checkpoint.alias("checkpoint"), questions.alias("questions_asked")
+    ).sort("evaluation", "position")

@@ -130,8 +130,13 @@ def plot_diagnostics(metrics: pl.DataFrame) -> Figure:
 
 
 def plot_tool_use(metrics: pl.DataFrame) -> Figure:
-    columns = {"valid tool-call rate": "valid_tool_call_rate", "code calls": "code_calls", "assistant turns": "turns"}
-    return _per_step(metrics, columns, "no tool calls", title="Tool use per trajectory", ylabel="mean")
+    """The valid-call rate on a 0-1 axis of its own; calls and turns per trajectory, counts, beside it."""
+    figure, (rate, counts) = plt.subplots(1, 2, figsize=(11, 4), layout="constrained")
+    _draw_series(rate, metrics, {"valid tool-call rate": "valid_tool_call_rate"}, "no tool calls")
+    rate.set(title="Tool calls that parse", xlabel="training step", ylabel="share of calls", ylim=(-0.05, 1.05))
+    _draw_series(counts, metrics, {"code calls": "code_calls", "assistant turns": "turns"}, "no tool calls")
+    counts.set(title="Per trajectory", xlabel="training step", ylabel="mean count", ylim=(0, None))
+    return figure
 
 
 def plot_sandbox(metrics: pl.DataFrame, errors: pl.DataFrame) -> Figure:
@@ -221,7 +226,7 @@ TRAINING_COLUMNS = [  # of the report's table of training steps
     "code_calls",
     "groups_kept",
     "train_datums",
-    "train_loss",
+    "train_grad_norm",
     "train_entropy",
     "train_kl_k3",
     "train_clip_fraction",
@@ -229,20 +234,34 @@ TRAINING_COLUMNS = [  # of the report's table of training steps
 ]
 
 
-def make_report(run: str | Path, out: str | Path | None = None) -> Path:
-    """Writes the plots and report.md under `out` (default runs/NAME/report); returns report.md."""
+LOSS_NOTE = (  # why the table shows the gradient norm, not the loss
+    "`train_loss` (kept in metrics.parquet) is the PPO objective before the update. With one on-policy update "
+    "every ratio is 1, so it is minus the token-weighted mean advantage: set by how many tokens the right and "
+    "the wrong trajectories have, not by learning. How far each update moved the policy is in `train_kl_k3` "
+    "and `train_clip_fraction`.\n"
+)
+
+
+def up_to(frame: pl.DataFrame, step: int | None, column: str = "step") -> pl.DataFrame:
+    return frame if step is None or column not in frame.columns else frame.filter(pl.col(column) <= step)
+
+
+def make_report(run: str | Path, out: str | Path | None = None, step: int | None = None) -> Path:
+    """Writes the plots and report.md of training steps up to `step` (None: all) and the evaluations of their
+    checkpoints (and of the base and cold-start models) under `out` (default runs/NAME/report); returns report.md."""
     run = Path(run)
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such run folder")
     out = Path(out) if out else RunFolder(run).report()
     out.mkdir(parents=True, exist_ok=True)
-    metrics, evals, errors = metrics_by_step(run), eval_by_checkpoint(run), sandbox_error_kinds(run)
+    metrics, evals = up_to(metrics_by_step(run), step), up_to(eval_by_checkpoint(run), step)
+    errors = sandbox_error_kinds(run, step)
     figures = (
         plot_reward(metrics),
         plot_diagnostics(metrics),
         plot_tool_use(metrics),
         plot_sandbox(metrics, errors),
-        plot_lengths(trajectory_lengths(run)),
+        plot_lengths(up_to(trajectory_lengths(run), step)),
         plot_eval(evals),
     )
     for figure, name in zip(figures, PLOTS, strict=True):
@@ -255,21 +274,24 @@ def make_report(run: str | Path, out: str | Path | None = None) -> Path:
         "![diagnostics](diagnostics.png)\n",
         "![tool use](tool_use.png)\n",
         _markdown_table(metrics, TRAINING_COLUMNS),
+        LOSS_NOTE,
         "## Sandbox\n",
         "![sandbox](sandbox.png)\n",
         _markdown_table(errors, ["error", "calls"]),
         "## Lengths\n",
         "![lengths](lengths.png)\n",
         _markdown_table(
-            length_distributions(run),
+            up_to(length_distributions(run), step),
             ["step", "trajectory_tokens_p50", "trajectory_tokens_p90", "trajectory_tokens_max"],
         ),
         "## Evaluation\n",
         "![evaluation](eval.png)\n",
-        _markdown_table(evals, ["dataset", "mode", "n", "step", "average_at_n", "pass_at_n", "format"]),
+        _markdown_table(
+            evals, ["checkpoint", "dataset", "mode", "n", "questions_asked", "average_at_n", "pass_at_n", "format"]
+        ),
         "## Worst trajectories to read\n",
         _markdown_table(
-            worst_trajectories(run, 5),
+            worst_trajectories(run, 5, step),
             ["step", "question_index", "group_index", "stop_reason", "trajectory_tokens", "extracted_answer", "answer"],
         ),
     ]

@@ -33,6 +33,12 @@ ROUNDS = "shard=*/round=*"  # every round folder of one step folder
 STEPS = "step=*"  # every training step folder of a run
 
 
+def _step_of(path: Path) -> int:
+    """The training step of a file under a step=NNNN folder (-1 under step=base or step=sft)."""
+    label = next(part for part in reversed(path.parts) if part.startswith("step=")).removeprefix("step=")
+    return int(label) if label.isdigit() else -1
+
+
 @dataclass(frozen=True)
 class StepFolder:
     """The files of one step: a training step, an evaluation of one checkpoint, or the cold start."""
@@ -157,9 +163,17 @@ class RunFolder:
         """One kind of file of every training step: step_files(TRAJECTORIES)."""
         return self.glob(f"{STEPS}/{name}")
 
+    def changed_since(self, made: Path, step: int) -> list[Path]:
+        """The files a report of steps up to `step` draws (step metrics and trajectories, rounds, evaluation
+        summaries) that were written after `made`."""
+        since = made.stat().st_mtime_ns
+        files = [*self.step_files(METRICS), *self.step_files(TRAJECTORIES), *self.round_files(OBSERVATIONS)]
+        files += self.evaluation_files(SUMMARY)
+        return [path for path in files if _step_of(path) <= step and path.stat().st_mtime_ns > since]
+
     def steps_with(self, name: str) -> list[int]:
         """The training steps that have written one kind of file: steps_with(TRAJECTORIES)."""
-        return [int(path.parent.name.removeprefix("step=")) for path in self.step_files(name)]
+        return [_step_of(path) for path in self.step_files(name)]
 
     @property
     def exported_sft(self) -> Path:

@@ -86,11 +86,17 @@ def training_sources(settings: RunSettings) -> frozenset[str]:
 
 
 def before_after_stage(
-    run_dir: Path, evaluations: list[tuple[str, StepFolder]], trained_sources: frozenset[str], out: Path, report: Path
+    run_dir: Path,
+    evaluations: list[tuple[str, StepFolder]],
+    trained_sources: frozenset[str],
+    out: Path,
+    report: Path,
+    step: int,
 ) -> str:
     """The before/after table of a run's evaluations (label, evaluation folder; the last is the final
     policy, compared with each earlier one question by question), for in-family and held-out-family
-    questions apart, written to `out`; then the run's report, evaluations included, under `report`.
+    questions apart, written to `out`; then the run's report of steps up to `step`, evaluations included,
+    under `report`.
     Returns the table."""
     n = pq.read_table(evaluations[0][1].summary).column("n")[0].as_py()
     trajectories = {label: read_table(folder.trajectories, TRAJECTORIES) for label, folder in evaluations}
@@ -107,5 +113,5 @@ def before_after_stage(
         groups.append((group, summaries, differences))
     table = before_after_markdown(groups)
     write_text_atomically(out, table)
-    make_report(run_dir, report)
+    make_report(run_dir, report, step)
     return table
