@@ -90,6 +90,13 @@ def outcome(name: str, outputs: list, was_complete: bool, failed: list[str] = ()
     return f"{name}: not done: {reason}"
 
 
+def servers() -> str:
+    """Which vLLM servers the command sampled through, if any: ' (sampled through http://... : how it was found)'."""
+    from retool.sampling.server import used
+
+    return f" (sampled through {'; '.join(f'{url}: {how}' for url, how in used.items())})" if used else ""
+
+
 def failed_in_the_scheduler(scheduler: str, task_id: str) -> list[str]:
     """The tasks of `task_id`'s graph that the central scheduler holds as failed or disabled (by any node)."""
     from luigi.rpc import RemoteScheduler
@@ -115,7 +122,7 @@ def _finish() -> None:
     complete = all(target.exists() for target in _command["outputs"])
     scheduler = _command["scheduler"]
     failed = failed_in_the_scheduler(scheduler, _command["task_id"]) if scheduler and not complete else []
-    print(outcome(_command["name"], _command["outputs"], _command["was_complete"], failed), flush=True)
+    print(outcome(_command["name"], _command["outputs"], _command["was_complete"], failed) + servers(), flush=True)
     if complete or failed:
         code = 0 if complete else luigi.retcodes.retcode().task_failed
         logging.shutdown()

@@ -185,7 +185,9 @@ def test_serve_stops_with_its_vllm_processes_on_a_signal_and_removes_its_record(
     config = tmp_path / "serve.cfg"
     config.write_text(
         f"[run]\ndevice = cpu\nruns_dir = {tmp_path}\n[model]\nname = {tiny_model_dir}\n"
-        f"[rollout]\nmax_trajectory_tokens = 900\ntrainer_max_tokens = 1024\n[sampler]\nserver_port = {port}\n"
+        "[rollout]\ngroup_size = 2\nmax_trajectory_tokens = 900\nmax_assistant_tokens = 64\n"
+        "max_tool_response_tokens = 48\ntrainer_max_tokens = 1024\n[data]\nquestions_per_step = 2\n"
+        f"[sampler]\nengine = vllm-server\nserver_port = {port}\n"
     )
     command = [sys.executable, "-m", "retool", "serve", "--config", str(config), "--run-name", "served"]
     serve = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -197,6 +199,8 @@ def test_serve_stops_with_its_vllm_processes_on_a_signal_and_removes_its_record(
     server_pid = json.loads(record.read_text())["pid"]
     group = [p.pid for p in psutil.process_iter(["pid"]) if _group_of(p.pid) == server_pid]
     assert server_pid in group
+    if signum == signal.SIGINT:  # once: commands of the served run, and of another run, while it serves
+        _commands_sample_from_their_own_runs_server(config, tmp_path, port, server_pid)
 
     serve.send_signal(signum)
     output = serve.communicate(timeout=90)[0]
@@ -206,6 +210,23 @@ def test_serve_stops_with_its_vllm_processes_on_a_signal_and_removes_its_record(
     assert not record.exists()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", port))  # the port is free again
+
+
+def _commands_sample_from_their_own_runs_server(config, runs, port: int, server_pid: int) -> None:
+    environment = {**os.environ, "LUIGI_CONFIG_PATH": str(config)}
+    sample = [sys.executable, "-m", "luigi", "--module", "pipeline", "SampleRound", "--step", "0", "--round", "0"]
+    served = subprocess.run(
+        [*sample, "--run-name", "served"], cwd=REPO, capture_output=True, text=True, env=environment
+    )
+    record = RunFolder(runs / "served").server_record
+    assert served.returncode == 0, served.stdout[-2000:] + served.stderr[-2000:]
+    assert served.stdout.rstrip().endswith(
+        f"(sampled through http://127.0.0.1:{port}: the run's server (recorded in {record}))"
+    )
+    other = subprocess.run([*sample, "--run-name", "other"], cwd=REPO, capture_output=True, text=True, env=environment)
+    output = other.stdout + other.stderr
+    assert other.returncode != 0 and "Traceback" not in output
+    assert f"server_port = {port}: the port is in use by pid {server_pid} (" in output  # not the served run's server
 
 
 def _group_of(pid: int) -> int | None:

@@ -26,6 +26,7 @@ from retool.sampling.vllm_engine import CPU_ENVIRONMENT
 from retool.weights.models import resolve_model
 
 log = logging.getLogger(__name__)
+used: dict[str, str] = {}  # url -> how this process found it, for the command's last line
 
 START_TIMEOUT_SECONDS = 900.0  # a large model's first start compiles its CUDA graphs
 
@@ -176,9 +177,11 @@ def server_urls(settings: RunSettings) -> list[str]:
         dead = [url for url in listed if not is_healthy(url)]
         if dead:
             raise SettingsError(f"setting [sampler] servers: no vLLM server answers at {', '.join(dead)}")
+        used.update({url: "listed in [sampler] servers" for url in listed if url not in used})
         return listed
     recorded = recorded_url(settings)
     if recorded:
+        used.setdefault(recorded, f"the run's server (recorded in {RunFolder(settings.run_dir).server_record})")
         return [recorded]
     if not settings.sampler.start_server:
         raise SettingsError(
@@ -189,4 +192,5 @@ def server_urls(settings: RunSettings) -> list[str]:
     process, url = start_server(settings, settings.sampler.server_port, RunFolder(settings.run_dir).server_log)
     write_record(settings, url, process.pid, "pipeline")
     atexit.register(stop_server, process)  # started by this command: stopped when it ends
+    used[url] = f"started by this command, pid {process.pid}"
     return [url]
