@@ -8,13 +8,15 @@ from tests.helpers import scripted, tool_call_text
 
 
 def branching_tools(settings):
-    """Branch (q + g) % 3 runs that many tool calls, then answers; even branches correctly."""
+    """Branch (q + g) % 3 runs that many tool calls, then answers; even branches correctly (the step's questions;
+    an evaluation's get "?")."""
     protocol = protocol_for(settings.model)
 
     def choose(question, group, turn, step):
         if turn < (question + group) % 3:
             return tool_call_text(f"print({question} * 10 + {turn})\n{question} ** {turn + 2}", protocol.tool_format)
-        answer = step_examples(settings, step, None)[question].answer if step >= 0 else "?"
+        examples = step_examples(settings, step, None) if step >= 0 else []
+        answer = examples[question].answer if question < len(examples) else "?"  # an evaluation: any answer
         return f"So the result is \\boxed{{{answer if group % 2 == 0 else -1}}}."
 
     return ScriptedSampler(scripted(protocol, choose))
