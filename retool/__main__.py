@@ -2,6 +2,7 @@
 `luigi --module pipeline TASK`). `python -m retool COMMAND --help` describes each."""
 
 import importlib
+import os
 import sys
 
 COMMANDS = {  # command -> (module of retool.cli, what it does)
@@ -21,7 +22,14 @@ def main() -> None:
         print(f"usage: python -m retool COMMAND [options]\n\ncommands:\n{listing}", file=sys.stderr)
         sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
     command = sys.argv.pop(1)
-    importlib.import_module(f"retool.cli.{COMMANDS[command][0]}").main()
+    try:
+        importlib.import_module(f"retool.cli.{COMMANDS[command][0]}").main()
+    except KeyboardInterrupt:
+        if os.environ.get("RETOOL_DEBUG"):
+            raise
+        # Every file is published whole, by a rename: an interrupted command leaves none half-written.
+        print(f"python -m retool {command}: interrupted (Ctrl-C); what it had not finished is not written", flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -271,3 +271,17 @@ def test_ctrl_c_is_one_line_saying_what_was_interrupted_and_leaves_nothing_behin
     assert not [child.pid for child in children if child.is_running() and child.status() != psutil.STATUS_ZOMBIE]
     assert set(Path("/tmp").glob("retool-*")) <= temporary
     assert not list((tmp_path / "cpu-default" / "step=0000").glob("shard=00/round=00/samples.parquet"))
+
+
+def test_ctrl_c_on_a_tool_command_is_one_line(tmp_path):
+    import signal
+
+    command = [sys.executable, "-m", "retool", "synthetic", "--out", str(tmp_path / "data")]
+    tool = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(3.0)  # writing the data sets takes longer
+    tool.send_signal(signal.SIGINT)
+    output = tool.communicate(timeout=60)[0]
+    assert tool.returncode == 130 and "Traceback" not in output, output
+    assert output.strip().splitlines()[-1] == (
+        "python -m retool synthetic: interrupted (Ctrl-C); what it had not finished is not written"
+    )
