@@ -318,9 +318,7 @@ class EvaluationTask(RunTask):
     dataset = luigi.Parameter(default="data/synthetic_eval.jsonl", description="evaluation data file")
     n = luigi.IntParameter(default=4, description="samples per question")
     # Not `mode`: Luigi's first pass over the command line would read --mode as an abbreviation of --model-*.
-    eval_mode = luigi.ChoiceParameter(
-        choices=EVAL_MODES, default="retool", description="retool (the tool declared) or text-only (no tool, one turn)"
-    )
+    eval_mode = luigi.ChoiceParameter(choices=EVAL_MODES, default="retool", description="retool, or text-only: no tool")
     sft = luigi.BoolParameter(
         default=False, description="with --step -1: evaluate the cold-start checkpoint, not the base model"
     )
