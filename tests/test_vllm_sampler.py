@@ -172,47 +172,47 @@ def test_progress_counts_sequences_in_lines_when_stderr_is_not_a_terminal(engine
     assert progress and progress[-1].startswith("sampling: 4/4 sequences") and "toks/s" in progress[-1], lines
 
 
-def test_a_command_starts_its_engine_once_on_the_policy_and_logs_vllm_to_the_run(
-    engine, tiny_model_dir, tmp_path, monkeypatch, capfd
-):
-    """An evaluation of a full-weights checkpoint starts one engine, on those weights (not the model first, then
-    again); vLLM's own lines go to runs/<run>/sampler-engine.log."""
-    import shutil
+ONE_COMMAND = """
+import shutil, sys
+from pathlib import Path
+import vllm
+import retool.sampling.engines as engines
+from retool.config.settings import RunSettings
+from retool.sampling.contract import SampleRequest, SamplingSettings
+from retool.weights.checkpoint import Policy
 
-    import vllm
+model, work = Path(sys.argv[1]), Path(sys.argv[2])
+starts = []
+class CountedLLM(vllm.LLM):
+    def __init__(self, model, **options):
+        starts.append(model)
+        super().__init__(model=model, **options)
+vllm.LLM = CountedLLM
+weights = shutil.copytree(model, work / "checkpoint" / "model")
+settings = RunSettings().changed(
+    run={"device": "cpu", "runs_dir": str(work / "runs")}, model={"name": str(model)}, sampler={"engine": "vllm"},
+    rollout={"max_trajectory_tokens": 512, "trainer_max_tokens": 1024}, trainer={"lora_rank": 0},
+)
+sampler = engines.sampler_for(settings, Policy(weights, None))
+replies = sampler.sample([SampleRequest(0, (0, 1), tuple(range(100, 140)), 8, seed=5)], SamplingSettings())
+assert engines.sampler_for(settings, Policy(weights, None)) is sampler
+print("starts", starts == [str(weights)], "replies", len(replies[0]))
+"""
 
-    import retool.sampling.engines as engines
-    from retool.config.settings import RunSettings
-    from retool.files.layout import RunFolder
-    from retool.weights.checkpoint import Policy
 
-    engine.close()  # one in-process CPU engine at a time: stopping a second one tears down the first's groups
-    starts = []
+def test_a_command_starts_its_engine_once_on_the_policy_and_logs_vllm_to_the_run(tiny_model_dir, tmp_path):
+    """A command that evaluates a full-weights checkpoint starts one engine, on those weights (not the model first,
+    then again), and vLLM's own lines go to runs/<run>/sampler-engine.log, not the terminal. A process of its own:
+    vLLM configures its logging at the first engine start of a process."""
+    import subprocess
+    import sys
 
-    class CountedLLM(vllm.LLM):
-        def __init__(self, model, **options):
-            starts.append(model)
-            super().__init__(model=model, **options)
+    from tests.conftest import REPO
 
-    monkeypatch.setattr(vllm, "LLM", CountedLLM)
-    monkeypatch.delenv("RETOOL_DEBUG", raising=False)
-    weights = shutil.copytree(tiny_model_dir, tmp_path / "checkpoint" / "model")
-    settings = RunSettings().changed(
-        run={"device": "cpu", "runs_dir": str(tmp_path / "runs")},
-        model={"name": str(tiny_model_dir)},
-        sampler={"engine": "vllm"},
-        rollout={"max_trajectory_tokens": 512, "trainer_max_tokens": 1024},
-        trainer={"lora_rank": 0},
-    )
-    capfd.readouterr()
-    sampler = engines.sampler_for(settings, Policy(weights, None))
-    try:
-        assert starts == [str(weights)]
-        assert len(sampler.sample(requests(), SamplingSettings())) == 2
-        assert engines.sampler_for(settings, Policy(weights, None)) is sampler and starts == [str(weights)]
-    finally:
-        engines._engines.clear()
-        sampler.close()
-    shown = capfd.readouterr()
-    assert " INFO " in RunFolder(settings.run_dir).engine_log.read_text()
-    assert "INFO" not in shown.out + shown.err, (shown.out + shown.err)[-2000:]
+    environment = {key: value for key, value in os.environ.items() if key != "RETOOL_DEBUG"}
+    command = [sys.executable, "-c", ONE_COMMAND, str(tiny_model_dir), str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=environment, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "starts True replies 2"
+    assert " INFO " in (tmp_path / "runs" / "default" / "sampler-engine.log").read_text()
+    assert "INFO" not in done.stdout + done.stderr and "WARNING" not in done.stdout + done.stderr, done.stderr[-3000:]

@@ -61,6 +61,7 @@ def server_command(settings: RunSettings, port: int) -> list[str]:
 
 def server_environment(settings: RunSettings) -> dict[str, str]:
     environment = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1"}
+    environment["VLLM_CONFIGURE_LOGGING"] = "1"  # its own lines, to its log file (this process may have turned it off)
     return {**CPU_ENVIRONMENT, **environment} if settings.run.device == "cpu" else environment
 
 

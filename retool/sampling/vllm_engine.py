@@ -31,6 +31,7 @@ def vllm_logs_to(path: Path | None) -> None:
     too; all of them to the terminal with RETOOL_DEBUG=1."""
     if path is None or os.environ.get("RETOOL_DEBUG"):
         return
+    os.environ["VLLM_CONFIGURE_LOGGING"] = "0"  # else each engine start applies vLLM's own logging config again
     logger = logging.getLogger("vllm")
     if any(getattr(handler, "baseFilename", None) == str(path.resolve()) for handler in logger.handlers):
         return
@@ -43,6 +44,7 @@ def vllm_logs_to(path: Path | None) -> None:
         logger.removeHandler(handler)
     logger.addHandler(to_file)
     logger.addHandler(to_terminal)
+    logger.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))  # vLLM's own default, which it no longer sets
     logger.propagate = False
 
 
