@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import http.server
+import json
+import threading
 from dataclasses import dataclass, field
 
 from retool.config.rollout import seed_turn
@@ -66,3 +69,23 @@ def scripted(protocol: ChatProtocol, choose, close: bool = True):
         return completion(protocol, choose(*where), close=close)
 
     return script
+
+
+def fake_vllm_server(served: dict) -> http.server.HTTPServer:
+    """An HTTP server in a thread of this process that answers every GET as vLLM's /health and /v1/models do for
+    `served["model"]` (change it to serve another), and nothing else: it has no completions to give."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"data": [{"id": served["model"], "parent": None}]}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

@@ -3,16 +3,14 @@ server is trusted only while the recorded process answers there and serves the r
 
 from __future__ import annotations
 
-import http.server
-import json
 import socket
-import threading
 
 import pytest
 
 from retool.config.settings import RunSettings, SettingsError
 from retool.files.layout import RunFolder
 from retool.sampling.server import recorded_url, start_server, write_record
+from tests.helpers import fake_vllm_server
 
 
 @pytest.fixture
@@ -22,22 +20,9 @@ def settings(tmp_path, tiny_model_dir):
 
 @pytest.fixture
 def fake_server(tiny_model_dir):
-    """An HTTP server in this process that answers /health and /v1/models like vLLM does for `model`."""
+    """A server in this process that answers /health and /v1/models like vLLM does for `model`."""
     served = {"model": str(tiny_model_dir)}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = json.dumps({"data": [{"id": served["model"], "parent": None}]}).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = fake_vllm_server(served)
     yield server.server_address[1], served
     server.shutdown()
     server.server_close()

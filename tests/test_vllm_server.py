@@ -4,14 +4,12 @@ through the server, and the server asleep while a step trains."""
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import luigi
@@ -25,6 +23,7 @@ from retool.sampling.server import start_server, stop_server
 from retool.sampling.server_client import ServerSampler
 from retool.weights.checkpoint import Checkpoint
 from tests.conftest import REPO
+from tests.helpers import fake_vllm_server
 from tests.pipeline_helpers import TRAIN, step_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -78,23 +77,8 @@ def test_the_server_gives_the_in_process_engines_replies(server, tiny_model_dir,
     assert progress[-1].startswith("sampling: 4/4 sequences") and progress[-1].endswith(f", {tokens} tokens")
 
 
-class _GoneAfterStart(http.server.BaseHTTPRequestHandler):
-    """Answers what a client asks at start, then nothing: a server that died once a round began."""
-
-    def do_GET(self):
-        body = json.dumps({"data": [{"id": "model", "parent": None}]}).encode()
-        self.send_response(200)
-        self.send_header("content-type", "application/json")
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 def test_a_server_gone_mid_round_is_retried_then_named_in_one_error():
-    fake = http.server.HTTPServer(("127.0.0.1", free_port()), _GoneAfterStart)
-    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    fake = fake_vllm_server({"model": "model"})  # answers what a client asks at start; then it is gone
     url = f"http://127.0.0.1:{fake.server_address[1]}"
     sampler = ServerSampler(url, "cpu", request_timeout_seconds=5)
     fake.shutdown()
@@ -106,8 +90,7 @@ def test_a_server_gone_mid_round_is_retried_then_named_in_one_error():
 def test_a_round_whose_server_went_away_fails_then_finishes_when_run_again(configure, server, monkeypatch):
     from pipeline import ScoreTrajectories
 
-    fake = http.server.HTTPServer(("127.0.0.1", free_port()), _GoneAfterStart)
-    threading.Thread(target=fake.serve_forever, daemon=True).start()
+    fake = fake_vllm_server({"model": "model"})  # answers what a client asks at start; then it is gone
     settings = configure(
         "gone", sampler={"engine": "vllm-server", "servers": f"http://127.0.0.1:{fake.server_address[1]}"}
     )

@@ -34,12 +34,13 @@ def main() -> None:
     args = parser.parse_args()
     try:
         settings = recorded_settings(args.run)
-        steps = args.steps or trained_steps(settings)
-        missing = [s for s in steps if s not in trained_steps(settings)]
+        scored = trained_steps(settings)
+        steps = args.steps or scored
+        missing = [step for step in steps if step not in scored]
         if not steps or missing:
             raise DataError(
                 f"{args.run}: no scored trajectories for step(s) {', '.join(map(str, missing)) or 'any'}; "
-                f"scored: {', '.join(map(str, trained_steps(settings))) or 'none'}"
+                f"scored: {', '.join(map(str, scored)) or 'none'}"
             )
         out = args.out or RunFolder(args.run).exported_sft
         print(export_stage(settings, steps, out).describe(out))

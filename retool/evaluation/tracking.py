@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 
 from retool.config.settings import TRACKERS, SettingsError
+from retool.files.atomic import publish_once
 from retool.files.layout import RunFolder
 
 EXTRAS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
@@ -57,19 +58,8 @@ class Tracker:
     def run_id(self) -> str:
         """The tracker run's id: drawn by the run's first command, read by every later one."""
         record = self.folder.tracking_record
-        if not record.exists():
-            record.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                with record.open("x") as handle:  # a concurrent command may draw first: its id wins
-                    json.dump({"id": f"{self.run_name}-{uuid.uuid4().hex[:8]}"}, handle)
-            except FileExistsError:
-                pass
-        for _ in range(50):  # the winner's write may still be in flight
-            text = record.read_text()
-            if text:
-                return json.loads(text)["id"]
-            time.sleep(0.01)
-        raise RuntimeError(f"{record}: empty; delete it and re-run")
+        publish_once(record, json.dumps({"id": f"{self.run_name}-{uuid.uuid4().hex[:8]}"}))  # the first draw wins
+        return json.loads(record.read_text())["id"]
 
     def log(self, step: int, values: dict[str, float], prefix: str = "") -> None:
         """Logs scalars at training step `step` (-1: before RL), each name under `prefix`."""

@@ -24,3 +24,19 @@ def write_atomically(path: str | Path, write: Callable[[Path], None]) -> None:
 
 def write_text_atomically(path: str | Path, text: str) -> None:
     write_atomically(path, lambda temporary: temporary.write_text(text, encoding="utf-8"))
+
+
+def publish_once(path: str | Path, text: str) -> bool:
+    """Publishes `text` at `path` unless a file is already there (a hard link fails on an existing name, and a
+    reader never sees a partial file); returns whether this call published it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary.write_text(text, encoding="utf-8")
+    try:
+        os.link(temporary, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        temporary.unlink()

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from retool.config.settings import RunSettings, SettingsError, frozen, sampled_by
-from retool.files.atomic import write_text_atomically
+from retool.files.atomic import publish_once, write_text_atomically
 from retool.files.layout import RunFolder
 from retool.weights.checkpoint import MARKER
 from retool.weights.models import resolve_model
@@ -104,15 +104,8 @@ def freeze(settings: RunSettings) -> None:
         log.warning("%s: no stage of this run has finished; its settings are replaced (%s)", path, ", ".join(differing))
         write_text_atomically(path, json.dumps(wanted, indent=2, sort_keys=True) + "\n")
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".config.json.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(wanted, indent=2, sort_keys=True) + "\n")
-    try:
-        os.link(temporary, path)  # fails if another command froze the run first
-    except FileExistsError:
-        freeze(settings)
-    finally:
-        temporary.unlink()
+    if not publish_once(path, json.dumps(wanted, indent=2, sort_keys=True) + "\n"):
+        freeze(settings)  # another command froze the run first
 
 
 def recorded_settings(run_dir: Path) -> RunSettings:
