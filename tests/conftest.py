@@ -55,9 +55,10 @@ BASE = {
         "max_tool_response_tokens": 48,
         "trainer_max_tokens": 1024,
     },
-    "sampler": {"engine": "hf"},
+    # float32 on both sides whatever this CPU is (tests check logprobs to 1e-4), the transformers sampler
+    "sampler": {"engine": "hf", "dtype": "float32"},
     "sandbox": {"max_workers": 2, "timeout_seconds": 5.0},
-    "trainer": {"max_sampler_gap": 0.0},  # scripted policies make their logprobs up
+    "trainer": {"max_sampler_gap": 0.0, "autocast_bfloat16": "false"},  # scripted policies make their logprobs up
 }
 
 

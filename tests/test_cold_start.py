@@ -183,7 +183,12 @@ def tiny_datums(tiny_model_dir, tokenizer):
 
 
 TRAINER = TrainerConfig(
-    objective="sft", lora_rank=0, learning_rate=1e-3, loss_aggregation="token_mean", micro_batch_items=2
+    objective="sft",
+    lora_rank=0,
+    learning_rate=1e-3,
+    loss_aggregation="token_mean",
+    micro_batch_items=2,
+    autocast_bfloat16="false",
 )
 
 

@@ -74,7 +74,7 @@ def test_sampling_from_a_lora_checkpoint_matches_the_trained_model(tiny_model_di
     from retool.training.step import load_policy, train_step
     from tests.test_trainer import on_policy_datums
 
-    config = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2)
+    config = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2, autocast_bfloat16="false")
     model, optimizer = load_policy(tiny_model_dir, None, config)
     metrics = train_step(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
     save_checkpoint(tmp_path / "checkpoint", model, optimizer, metrics, config, tiny_model_dir)

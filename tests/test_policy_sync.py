@@ -19,7 +19,9 @@ from retool.weights.checkpoint import Checkpoint
 from retool.weights.models import build_tiny_model
 from tests.test_trainer import on_policy_datums
 
-LORA = TrainerConfig(lora_rank=8, lora_alpha=16, learning_rate=1e-2, gradient_checkpointing=False)
+LORA = TrainerConfig(
+    lora_rank=8, lora_alpha=16, learning_rate=1e-2, gradient_checkpointing=False, autocast_bfloat16="false"
+)
 REQUEST = SampleRequest(0, (0, 1), tuple(range(100, 140)), 16, seed=5)
 
 

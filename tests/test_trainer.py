@@ -19,7 +19,9 @@ from retool.training.losses import token_logprobs
 from retool.training.packing import loss_token_weights, pack_micro_batches
 from retool.training.step import accumulate_gradients, load_policy, train_step
 
-CONFIG = TrainerConfig(lora_rank=8, lora_alpha=16, learning_rate=5e-3, gradient_checkpointing=False)
+CONFIG = TrainerConfig(
+    lora_rank=8, lora_alpha=16, learning_rate=5e-3, gradient_checkpointing=False, autocast_bfloat16="false"
+)
 
 
 def make_datum(question, group, prompt, completion, advantage, old_logprobs, observation=(), second=()):

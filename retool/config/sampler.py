@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from retool.config.precision import bfloat16_native
+
 ENGINES = ("auto", "vllm", "vllm-server", "hf")
 
 
@@ -12,9 +14,9 @@ class SamplerConfig:
     # vllm (in-process) | vllm-server (vLLM's OpenAI-compatible server, shared by every process) | hf | auto (vllm
     # on a GPU, hf on a CPU) | scripted:MODULE:FUNCTION (FUNCTION(settings) returns the sampler)
     engine: str = "auto"
-    # vLLM's weights and arithmetic: auto (bfloat16 on a GPU, float32 on a CPU, where its logprobs then match the
-    # float32 trainer's to 1e-6) | float32 | bfloat16 (1.6x faster on a CPU with AVX512-BF16; the trainer's logprobs
-    # then differ by about 0.01 on average, as on a GPU)
+    # The engine's weights and arithmetic: auto (bfloat16 where the device computes it natively: a GPU, a CPU with
+    # AVX512-BF16 or AMX, 1.6x faster there; float32 elsewhere, where its logprobs match a float32 trainer's to 1e-6)
+    # | float32 | bfloat16 (the trainer's logprobs then differ by about 0.01 on average)
     dtype: str = "auto"
     gpu_memory_utilization: float = 0.5  # vLLM on a GPU: the share of its memory the engine may take
     sleep_while_training: bool = True  # vLLM on a GPU: weights to CPU and KV cache freed while a step trains
@@ -42,7 +44,7 @@ class SamplerConfig:
 
 
 def engine_dtype(config: SamplerConfig, device: str) -> str:
-    """The dtype `auto` stands for on a device: bfloat16 on CUDA, float32 on a CPU."""
+    """The dtype `auto` stands for on a device: bfloat16 where it computes bfloat16 natively, else float32."""
     if config.dtype != "auto":
         return config.dtype
-    return "bfloat16" if device.startswith("cuda") else "float32"
+    return "bfloat16" if bfloat16_native(device) else "float32"

@@ -11,9 +11,9 @@ from typing import Any
 
 from retool.config.cold_start import ColdStartConfig
 from retool.config.rollout import RolloutConfig, seed_capacity
-from retool.config.sampler import SamplerConfig
+from retool.config.sampler import SamplerConfig, engine_dtype
 from retool.config.sandbox import SandboxConfig
-from retool.config.trainer import TrainerConfig, resolved_dtype
+from retool.config.trainer import TrainerConfig, resolved_autocast, resolved_dtype
 
 TRACKERS = ("none", "tensorboard", "wandb", "mlflow")  # see retool.evaluation.tracking
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct, built from a PyPI wheel
@@ -121,12 +121,14 @@ class RunSettings:
         return Path(self.run.runs_dir) / self.run.name
 
     def trainer_on_device(self) -> TrainerConfig:
-        """The [trainer] section for this run's device: `auto` dtype resolved (bfloat16 on CUDA,
-        float32 on a CPU), and activations recomputed only on CUDA (a CPU run has memory to spare)."""
+        """The [trainer] section for this run's device: `auto` resolved (weights in bfloat16 on CUDA, float32 on a
+        CPU; autocast where the device computes bfloat16 natively), and activations recomputed only on CUDA (a
+        CPU run has memory to spare)."""
         on_cuda = self.run.device == "cuda"
         return replace(
             self.trainer,
             dtype=resolved_dtype(self.trainer.dtype, self.run.device),
+            autocast_bfloat16=resolved_autocast(self.trainer.autocast_bfloat16, self.run.device),
             gradient_checkpointing=self.trainer.gradient_checkpointing and on_cuda,
         )
 
@@ -182,14 +184,22 @@ def setting_fields(section: str, config: type) -> list:
 
 
 def frozen(settings: RunSettings) -> dict[str, dict[str, Any]]:
-    """What config.json records: the settings that shape results, `auto` resolved to what it chose."""
+    """What config.json records: the settings that shape results, `auto` resolved to what it chose on this
+    machine (so two machines share a run only where their `auto` chose alike)."""
     sections = {name: asdict(config) for name, config in settings.sections().items()}
-    sections["trainer"]["dtype"] = settings.trainer_on_device().dtype
+    trainer = settings.trainer_on_device()
+    sections["trainer"]["dtype"] = trainer.dtype
+    sections["trainer"]["autocast_bfloat16"] = trainer.autocast_bfloat16
+    sections["sampler"]["dtype"] = engine_dtype(settings.sampler, settings.run.device)
     sections["sampler"]["engine"] = sampled_by(settings.sampler.engine, settings.run.device)
     for section, names in {**OPERATIONAL, **INTERNAL}.items():
         for name in names:
             del sections[section][name]
     return sections
+
+
+# The settings whose `auto` depends on the machine's processor (retool.config.precision).
+PRECISION = {"sampler": ("dtype",), "trainer": ("dtype", "autocast_bfloat16")}
 
 
 def check_training(settings: RunSettings) -> None:

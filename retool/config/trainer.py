@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from retool.config.checks import require
+from retool.config.precision import bfloat16_native
 
 OBJECTIVES = ("ppo", "sft")
 DTYPES = ("auto", "float32", "bfloat16")
+SWITCHES = ("auto", "true", "false")
 
 
 @dataclass(frozen=True)
@@ -29,10 +31,10 @@ class TrainerConfig:
     micro_batch_tokens: int = 16384  # padded tokens per micro-batch
     tis_cap: float = 0.0  # truncated importance sampling cap on trainer/sampler ratio; 0 = off
     filter_zero_variance_groups: bool = False  # sample_mean over datums only, not all trajectories
-    dtype: str = "auto"  # auto (bfloat16 on CUDA, float32 on a CPU) | float32 | bfloat16
-    # Mixed precision: matrix products in bfloat16 over weights kept in `dtype` (1.6x faster on a CPU with
-    # AVX512-BF16; its logprobs then differ from float32 ones by about 0.01 on average)
-    autocast_bfloat16: bool = False
+    dtype: str = "auto"  # the weights Adam updates: auto (bfloat16 on CUDA, float32 on a CPU) | float32 | bfloat16
+    # Mixed precision: matrix products in bfloat16 over weights kept in `dtype`: auto (where the device computes
+    # bfloat16 natively: CUDA, a CPU with AVX512-BF16 or AMX; 1.6x faster there) | true | false
+    autocast_bfloat16: str = "auto"
     gradient_checkpointing: bool = True  # recompute activations in the backward pass (a run does so only on CUDA)
     logprob_chunk_tokens: int = 1024  # loss tokens whose vocabulary-wide logits exist at once
     max_sampler_gap: float = 0.0  # fail a step whose mean |trainer - sampler| logprob exceeds this; 0 = no check
@@ -52,15 +54,30 @@ class TrainerConfig:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"TrainerConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        # true and false also as JSON booleans (config.json of runs frozen when the setting was one)
+        autocast = str(self.autocast_bfloat16).lower()
+        if autocast not in SWITCHES:
+            raise ValueError(
+                f"TrainerConfig.autocast_bfloat16 must be auto, true or false, got {self.autocast_bfloat16!r}"
+            )
+        object.__setattr__(self, "autocast_bfloat16", autocast)
         for name in ("micro_batch_items", "micro_batch_tokens", "ppo_mini_batches", "ppo_epochs"):
             require(self, name, getattr(self, name) > 0, "> 0")
 
 
 def resolved_dtype(dtype: str, device: str) -> str:
-    """The dtype `auto` stands for on a device: bfloat16 on CUDA, float32 on a CPU."""
+    """The weights' dtype `auto` stands for on a device: bfloat16 on CUDA, float32 on a CPU (where bfloat16 goes
+    no further than the matrix products, through autocast_bfloat16)."""
     if dtype != "auto":
         return dtype
     return "bfloat16" if device.startswith("cuda") else "float32"
+
+
+def resolved_autocast(autocast_bfloat16: str, device: str) -> str:
+    """What autocast_bfloat16 = auto stands for on a device: true where it computes bfloat16 natively."""
+    if autocast_bfloat16 != "auto":
+        return autocast_bfloat16
+    return "true" if bfloat16_native(device) else "false"
 
 
 LOSS_AGGREGATIONS = ("sample_mean", "token_mean")

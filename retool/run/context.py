@@ -20,7 +20,7 @@ from retool.files.tables import OBSERVATIONS, PROMPTS, SAMPLES, read_table
 from retool.protocol.chat import ChatProtocol, load_tokenizer
 from retool.rollout.replay import RoundFiles, replay
 from retool.rollout.state import Trajectory
-from retool.run.setup import check_machine, freeze, workers_warning
+from retool.run.setup import bfloat16_warning, check_machine, freeze, precision_line, workers_warning
 from retool.sampling import engines
 from retool.sampling.contract import Sampler
 from retool.sampling.server import server_urls
@@ -37,8 +37,10 @@ def open_run(settings: RunSettings, workers: int = 1) -> None:
     load what every task of the run shares (`workers`: the command's worker processes)."""
     check_training(settings)
     check_machine(settings)
-    if warning := workers_warning(settings, workers):
-        log.warning(warning)
+    print(precision_line(settings), flush=True)
+    for warning in (workers_warning(settings, workers), bfloat16_warning(settings)):
+        if warning:
+            log.warning(warning)
     check_inputs(settings)
     check_tracker(settings.run.tracker)
     freeze(settings)

@@ -10,7 +10,9 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from retool.config.settings import RunSettings, SettingsError, frozen, sampled_by
+from retool.config.precision import bfloat16_native, bfloat16_slowdown, why
+from retool.config.sampler import engine_dtype
+from retool.config.settings import PRECISION, RunSettings, SettingsError, frozen, sampled_by
 from retool.files.atomic import publish_once, write_text_atomically
 from retool.files.layout import RunFolder
 from retool.weights.checkpoint import MARKER
@@ -65,6 +67,47 @@ def workers_warning(settings: RunSettings, workers: int) -> str | None:
     )
 
 
+def precision_line(settings: RunSettings) -> str:
+    """The command's first line: 'dtype: sampler float32, trainer float32 (auto: this CPU (AVX2) has no native
+    bfloat16)'."""
+    trainer = settings.trainer_on_device()
+    products = (
+        " with bfloat16 matrix products" if trainer.autocast_bfloat16 == "true" and trainer.dtype != "bfloat16" else ""
+    )
+    line = f"dtype: sampler {engine_dtype(settings.sampler, settings.run.device)}, trainer {trainer.dtype}{products}"
+    return f"{line} (auto: {why(settings.run.device)})"
+
+
+def bfloat16_warning(settings: RunSettings) -> str | None:
+    """One line when a setting forces bfloat16 on a CPU that only emulates it, with what that costs here."""
+    if bfloat16_native(settings.run.device):
+        return None
+    forced = [
+        f"[{section}] {name} = {getattr(getattr(settings, section), name)}"
+        for section, names in PRECISION.items()
+        for name in names
+        if getattr(getattr(settings, section), name) in ("bfloat16", "true")
+    ]
+    if not forced:
+        return None
+    return (
+        f"{', '.join(forced)}: {why(settings.run.device)}, so torch emulates it and a matrix product runs "
+        f"{bfloat16_slowdown():.0f}x slower than in float32 (measured now); auto chooses float32 here"
+    )
+
+
+def upgraded(recorded: dict[str, dict[str, Any]], device: str) -> dict[str, dict[str, Any]]:
+    """A config.json written by an earlier version, read as this version records the same settings."""
+    sampler, trainer = recorded.get("sampler", {}), recorded.get("trainer", {})
+    if "engine" in sampler:  # frozen before vLLM's server counted as vLLM
+        sampler["engine"] = sampled_by(sampler["engine"], device)
+    if sampler.get("dtype") == "auto":  # frozen before `auto` was recorded as what it chose
+        sampler["dtype"] = "bfloat16" if device == "cuda" else "float32"
+    if isinstance(trainer.get("autocast_bfloat16"), bool):  # frozen when the setting was true or false
+        trainer["autocast_bfloat16"] = str(trainer["autocast_bfloat16"]).lower()
+    return recorded
+
+
 def differences(recorded: dict[str, dict[str, Any]], wanted: dict[str, dict[str, Any]]) -> list[str]:
     """The settings whose frozen value differs; one added after the run was frozen counts at its default."""
     defaults = frozen(RunSettings())
@@ -78,6 +121,23 @@ def differences(recorded: dict[str, dict[str, Any]], wanted: dict[str, dict[str,
     return differing
 
 
+def auto_hint(settings: RunSettings, differing: list[str]) -> str:
+    """Why a run frozen on another machine may differ: its `auto` precision settings chose for that machine."""
+    automatic = [
+        f"[{section}] {name}"
+        for section, names in PRECISION.items()
+        for name in names
+        if getattr(getattr(settings, section), name) == "auto"
+        and any(line.startswith(f"[{section}] {name} =") for line in differing)
+    ]
+    if not automatic:
+        return ""
+    return (
+        f" ({', '.join(automatic)}: auto decides by the processor, and here {why(settings.run.device)}; machines of "
+        "different CPU kinds share a run when these settings are given explicitly)"
+    )
+
+
 def has_results(run_dir: Path) -> bool:
     """Whether any stage of the run has written its output (a Parquet table or a finished checkpoint)."""
     return any(path.suffix == ".parquet" or path.name == MARKER for path in run_dir.rglob("*"))
@@ -89,14 +149,13 @@ def freeze(settings: RunSettings) -> None:
     wanted = frozen(settings)
     if path.exists():
         recorded = json.loads(path.read_text())
-        if "engine" in recorded.get("sampler", {}):  # frozen before vLLM's server counted as vLLM
-            device = recorded.get("run", {}).get("device", settings.run.device)
-            recorded["sampler"]["engine"] = sampled_by(recorded["sampler"]["engine"], device)
+        recorded = upgraded(recorded, recorded.get("run", {}).get("device", settings.run.device))
         differing = differences(recorded, wanted)
         if differing and has_results(settings.run_dir):
             raise SettingsError(
                 f"{path}: this run was started with other settings; differing: {', '.join(differing)}. Use the "
                 "frozen values, another run name, or delete the run's folder to start it again"
+                + auto_hint(settings, differing)
             )
         if not differing:
             return

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from retool.config.trainer import TrainerConfig, resolved_dtype
+from retool.config.trainer import TrainerConfig, resolved_autocast, resolved_dtype
 from retool.rollout.datums import Datum
 from retool.training.checkpoints import restore_rng, save_checkpoint
 from retool.training.losses import token_logprobs, token_loss
@@ -129,7 +129,8 @@ def policy_pass(
     for batch in batches[rank::world]:
         tensors = _micro_batch_tensors(datums, batch, weights or [0.0] * len(datums), device)
         mask = tensors["loss_mask"]
-        autocast = torch.autocast(torch.device(device).type, torch.bfloat16, enabled=config.autocast_bfloat16)
+        in_bfloat16 = resolved_autocast(config.autocast_bfloat16, device) == "true"
+        autocast = torch.autocast(torch.device(device).type, torch.bfloat16, enabled=in_bfloat16)
         with torch.set_grad_enabled(weights is not None), autocast:
             logprobs, entropy = token_logprobs(
                 model,
