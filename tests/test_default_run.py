@@ -1,8 +1,9 @@
 """The default CPU run (configs/cpu.cfg, the command `make run` gives) end to end, shortened: the real
-model, cold start, two RL steps that both update, and the before/after table on a few held-out questions."""
+model, its cold start, two RL steps that both update, and the before/after table on its 32 held-out questions."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
+from retool.config.precision import this_processor
 from retool.evaluation.analysis import metrics_by_step
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -38,8 +40,6 @@ def test_the_default_run_cold_starts_updates_every_step_and_compares(tmp_path, d
         str(heldout),
         "--run-runs-dir",
         str(tmp_path / "runs"),
-        "--cold-start-steps",
-        "16",  # of make run's; enough for a policy that calls the tool and answers
     ]
     result = subprocess.run(
         command,
@@ -51,13 +51,17 @@ def test_the_default_run_cold_starts_updates_every_step_and_compares(tmp_path, d
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run = tmp_path / "runs" / "cpu-default"
+    chosen = "bfloat16" if this_processor().native_bfloat16 else "float32"  # auto, as configs/cpu.cfg sets it
+    assert result.stdout.splitlines()[0].startswith(f"dtype: sampler {chosen}, trainer float32")
+    assert json.loads((run / "config.json").read_text())["sampler"]["dtype"] == chosen
 
     losses = pl.read_parquet(run / "sft" / "losses.parquet")
     assert losses["loss"][-1] < losses["loss"][0] / 4
     metrics = metrics_by_step(run)
     assert metrics["step"].to_list() == [0, 1]
     assert not any(metrics["train_skipped"]) and all(metrics["train_updates"] > 0)  # every step updates
-    assert max(metrics["train_logprob_gap"]) < 0.05  # the sampler serves the policy the trainer holds (both bfloat16)
+    # The sampler serves the policy the trainer holds (both bfloat16 on a CPU that has it natively, else float32).
+    assert max(metrics["train_logprob_gap"]) < 0.05
     assert all(metrics["train_kl_k3"] > 0) and all(metrics["train_entropy"] > 0)  # the drift of every update
     assert metrics["code_calls"].min() > 0.5  # the cold start taught the tool
 
