@@ -45,6 +45,7 @@ def server(tiny_model_dir, tmp_path_factory):
         run={"device": "cpu", "runs_dir": str(tmp_path_factory.mktemp("serve"))},
         model={"name": str(tiny_model_dir)},
         rollout={"max_trajectory_tokens": 900, "trainer_max_tokens": 1024},
+        sampler={"dtype": "float32"},  # as the in-process engine and the trainer here, whatever this CPU is
     )
     process, url = start_server(settings, free_port(), settings.run_dir / "server.log")
     yield url
