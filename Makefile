@@ -27,7 +27,8 @@ $(INSTALLED): pyproject.toml
 	touch $@
 
 # A GPU node: the GPU build of vLLM (it pins its own CUDA torch) and the linear-attention kernels of
-# Qwen3.5, then the project, in the same .venv. `make gpu-venv`, then run with the repository's luigi.cfg.
+# Qwen3.5 (each on its own, so that one that fails to build leaves the other), then the project, in the same .venv.
+# `make gpu-venv`, then run with the repository's luigi.cfg; a command's first lines say which kernels are active.
 GPU_VLLM_SPEC ?= vllm==0.32.0
 GPU_KERNELS_SPEC ?= flash-linear-attention==0.6.0 causal-conv1d==1.7.0
 
@@ -35,7 +36,9 @@ gpu-venv:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(GPU_VLLM_SPEC)"
-	$(PY) -m pip install --quiet $(GPU_KERNELS_SPEC) || echo "linear-attention kernels did not install: Qwen3.5 runs slower"
+	for kernel in $(GPU_KERNELS_SPEC); do \
+		$(PY) -m pip install --quiet "$$kernel" || echo "$$kernel did not install: Qwen3.5 trains on torch's slower path"; \
+	done
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $(INSTALLED) $(VLLM_INSTALLED)
 

@@ -298,10 +298,10 @@ class ColdStart(ColdStartTask):
         }
 
     def run(self):
-        folder = self.context.folder
-        losses = cold_start_stage(
-            self.context.run, self.input().path, folder.checkpoint, folder.sft_progress, self.report_progress
-        )
+        folder, run = self.context.folder, self.context.run
+        release_sampler_memory(run)  # an engine left awake (the base model's evaluation) sleeps while SFT trains
+        losses = cold_start_stage(run, self.input().path, folder.checkpoint, folder.sft_progress, self.report_progress)
+        reclaim_sampler_memory(run)
         write_table_atomically(losses_table(losses), self.output()["losses"].path)
         self.summary = describe_cold_start(losses)
 

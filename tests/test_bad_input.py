@@ -77,6 +77,19 @@ def test_a_training_group_of_one_is_refused_but_an_evaluation_with_n_1_runs():
     assert evaluation.rollout.group_size == 1
 
 
+def test_a_training_nucleus_is_refused_and_an_evaluations_temperature_never_reaches_the_trainer():
+    from retool.config.settings import RunSettings, SettingsError, check_training
+    from retool.evaluation.spec import EvalSpec, rollout_settings
+
+    with pytest.raises(SettingsError, match=r"\[rollout\] top_p = 0.9: training samples with top_p = 1"):
+        check_training(RunSettings().changed(rollout={"top_p": 0.9}))
+    run = RunSettings().changed(rollout={"temperature": 0.8})
+    assert run.trainer_on_device().temperature == 0.8  # the trainer's logprobs at the sampling temperature
+    assert run.sft_trainer().temperature == 1.0  # the cold start's likelihood is the model's own
+    evaluation = rollout_settings(run, EvalSpec("data/synthetic_eval.jsonl", 1, "retool", temperature=0.3, top_p=0.5))
+    assert evaluation.rollout.temperature == 0.3 and run.trainer_on_device().temperature == 0.8
+
+
 def test_an_evaluation_set_larger_than_the_seed_layout_names_the_file(tmp_path):
     import json
 

@@ -95,6 +95,20 @@ def test_sampling_from_a_lora_checkpoint_matches_the_trained_model(tiny_model_di
     assert sampler.sample([request], SamplingSettings())[0][0] == base
 
 
+def test_logprobs_are_those_of_the_tempered_distribution(sampler):
+    request = requests_for(sampler)[0]
+    sequence = sampler.sample([request], SamplingSettings(temperature=0.7))[0][0]
+    ids = torch.tensor([list(request.prompt_tokens) + list(sequence.tokens)])
+    with torch.no_grad():
+        logits = sampler.model(ids).logits[0].float()
+    start = len(request.prompt_tokens) - 1
+    positions = range(start, start + len(sequence.tokens))
+    tempered = [(logits[p] / 0.7).log_softmax(-1)[t].item() for p, t in zip(positions, sequence.tokens)]
+    raw = [logits[p].log_softmax(-1)[t].item() for p, t in zip(positions, sequence.tokens)]
+    assert max(abs(a - b) for a, b in zip(tempered, sequence.logprobs)) < 1e-4
+    assert max(abs(a - b) for a, b in zip(raw, sequence.logprobs)) > 1e-3
+
+
 def test_progress_is_written_as_lines_when_stderr_is_not_a_terminal(sampler, capsys, monkeypatch):
     monkeypatch.setattr(retool.sampling.progress, "LOG_EVERY_SECONDS", 0.0)
     replies = sampler.sample(requests_for(sampler), SamplingSettings())

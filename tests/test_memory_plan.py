@@ -45,8 +45,13 @@ def test_the_plan_adds_weights_state_activations_and_logits():
     assert plan.total == int((plan.weights + plan.trainable_state + plan.activations + plan.logits) * ALLOCATOR_MARGIN)
     without_checkpointing = plan_step(shape, TrainerConfig(gradient_checkpointing=False), "cuda")
     assert without_checkpointing.activations == 32 * 2 * 16384 * 2 * (6 * 2560 + 4 * 9216)
-    full = plan_step(shape, TrainerConfig(lora_rank=0), "cpu")  # float32 on a CPU
+    full = plan_step(shape, TrainerConfig(lora_rank=0, autocast_bfloat16="false"), "cpu")  # float32 on a CPU
     assert full.weights == 16_000_000_000 and full.trainable_state == 3 * 16_000_000_000
+    # A full fine-tune on a GPU: float32 master weights, gradients and Adam moments, autocast's bfloat16 copy of
+    # every weight, and activations in bfloat16.
+    mixed = plan_step(shape, TrainerConfig(lora_rank=0, micro_batch_tokens=8192), "cuda")
+    assert mixed.weights == 16_000_000_000 + 8_000_000_000 and mixed.trainable_state == 3 * 16_000_000_000
+    assert mixed.activations == plan.activations
 
 
 def test_a_step_that_does_not_fit_is_refused_naming_the_settings():

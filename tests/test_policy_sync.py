@@ -5,6 +5,7 @@ caught by the policy-sync check. Adapter names for a multimodal checkpoint's eng
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -43,10 +44,10 @@ def trained_checkpoint(base, folder):
     return model.eval()
 
 
-def served_datums(engine) -> list[Datum]:
+def served_datums(engine, settings: SamplingSettings = SamplingSettings()) -> list[Datum]:
     """The engine's samples for REQUEST as datums, with the engine's logprobs as the old ones."""
     datums = []
-    for group, sequence in enumerate(engine.sample([REQUEST], SamplingSettings())[0]):
+    for group, sequence in enumerate(engine.sample([REQUEST], settings)[0]):
         tokens = list(REQUEST.prompt_tokens) + list(sequence.tokens)
         prompt = len(REQUEST.prompt_tokens)
         mask = [position >= prompt - 1 for position in range(len(tokens) - 1)]
@@ -55,11 +56,11 @@ def served_datums(engine) -> list[Datum]:
     return datums
 
 
-def sync_metrics(engine, model):
+def sync_metrics(engine, model, settings: SamplingSettings = SamplingSettings(), config: TrainerConfig = LORA):
     """The trainer's step metrics on the engine's samples (a negligible step: only the gap matters)."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(parameters, lr=0.0)
-    return train_step(model, optimizer, served_datums(engine), LORA, num_trajectories=2)
+    return train_step(model, optimizer, served_datums(engine, settings), config, num_trajectories=2)
 
 
 vllm_only = pytest.mark.vllm
@@ -103,11 +104,137 @@ def test_a_lora_step_of_each_architecture_is_served_exactly(architecture, vllm_r
         engine.close()
 
 
-def test_the_gpu_checks_qwen35_part_trains_saves_and_renames_on_a_cpu(tmp_path):
-    """bench.gpu's first part, on a CPU: a LoRA step of a tiny Qwen3.5 saved as the published checkpoint
-    is (multimodal), every adapter tensor naming a trained module, served under the language model."""
-    from bench.gpu import check_tiny_qwen35
+@vllm_only
+def test_at_a_sampling_temperature_the_engine_and_the_trainer_score_the_same_distribution(
+    vllm_required, tiny_model_dir
+):
+    """At temperature 0.7 the engine reports the logprobs of the distribution it drew from (logits / 0.7), and
+    the trainer takes them at 0.7: the behaviour policy of PPO's ratio on both sides."""
+    from retool.sampling.vllm_engine import VLLMSampler
 
-    figures = check_tiny_qwen35(tmp_path, "cpu")
-    assert figures["adapter_tensors"] > 0 and not figures["adapter_tensors_matching_no_trained_module"]
-    assert figures["linear_attention_tensors"] > 0 and figures["served_under_language_model"]
+    model, _ = load_policy(tiny_model_dir, None, LORA)
+    engine = VLLMSampler(tiny_model_dir, "cpu", max_model_len=512)
+    try:
+        tempered = SamplingSettings(temperature=0.7)
+        metrics = sync_metrics(engine, model, tempered, replace(LORA, temperature=0.7))
+        assert metrics.loss_tokens > 0 and metrics.logprob_gap < 1e-4
+        untempered = sync_metrics(engine, model, tempered, LORA)  # the trainer at 1: another policy
+        assert untempered.logprob_gap > 100 * metrics.logprob_gap
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_every_phase_on_a_cpu_and_writes_its_figures(tmp_path):
+    """`python -m bench.gpu --dry-run`: every phase with tiny shapes on the CPU, and figures that hold."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "gpu-check.json"
+    command = [sys.executable, "-m", "bench.gpu", "--dry-run", "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    phases = ("environment", "checkpoint_keys", "tiny_lora", "bfloat16_updates", "lora", "full", "save_load")
+    assert not figures["skipped"] and all(name in figures for name in phases)
+    keys = figures["checkpoint_keys"]
+    assert keys["saved_tensors"] > 0 and not keys["missing_language_model_names"] and not keys["names_not_published"]
+    lora = figures["tiny_lora"]  # a LoRA step's adapter: every tensor names a trained module, served under the LM
+    assert lora["adapter_tensors"] > 0 and not lora["adapter_tensors_matching_no_trained_module"]
+    assert lora["linear_attention_tensors"] > 0 and lora["served_under_language_model"]
+    updates = figures["bfloat16_updates"]
+    for rate in ("4e-06", "1e-05", "4e-05"):
+        assert updates[f"lr {rate}, float32_master"] > 0.99 > updates[f"lr {rate}, bfloat16_weights"]
+    assert figures["full"]["tokens_per_second"] > 0 and "mfu_of_measured_peak" in figures["full"]
+    assert figures["save_load"]["checkpoint_mib"] > 0
+
+
+@pytest.mark.parametrize("published", ["multimodal", "text-only"])
+def test_a_full_fine_tune_of_qwen35_saves_the_names_its_published_checkpoint_has(published, tmp_path):
+    """The trainer trains Qwen3.5's text model (Qwen3_5ForCausalLM); its full checkpoint keeps the published
+    names (model.language_model.*, lm_head), which vLLM maps for both served classes: the multimodal one, whose
+    engine reloads the checkpoint in place (its vision tower stays as loaded), and the text-only one."""
+    from safetensors.torch import load_file
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from bench.gpu import TINY_QWEN35, build_tiny_qwen35, random_datums
+    from retool.training.checkpoints import save_checkpoint
+
+    base = tmp_path / "base"
+    if published == "multimodal":
+        build_tiny_qwen35(base)
+    else:
+        torch.manual_seed(0)
+        Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TINY_QWEN35)).save_pretrained(base)
+    config = TrainerConfig(lora_rank=0, learning_rate=1e-3, gradient_checkpointing=False, autocast_bfloat16="false")
+    model, optimizer = load_policy(base, None, config)
+    metrics = train_step(model, optimizer, random_datums(2, 32, TINY_QWEN35["vocab_size"]), config, 2)
+    save_checkpoint(tmp_path / "step0", model, optimizer, metrics, config, base)
+
+    saved = load_file(str(Checkpoint(tmp_path / "step0").model / "model.safetensors"))
+    names = set(load_file(str(base / "model.safetensors")))
+    assert set(saved) == {name for name in names if not name.startswith("model.visual.")}
+    if published == "multimodal":  # the decoder under the name vLLM's multimodal class maps from
+        assert all(name.startswith(("model.language_model.", "lm_head.")) for name in saved)
+    reloaded, loading = Qwen3_5ForCausalLM.from_pretrained(
+        str(Checkpoint(tmp_path / "step0").model), output_loading_info=True
+    )
+    assert not loading["missing_keys"] and not loading["unexpected_keys"]
+    trained = dict(model.named_parameters())
+    assert all(torch.equal(trained[name], p) for name, p in reloaded.named_parameters())
+
+
+class RecordingLLM:
+    """What a GPU engine is asked to do, in order (vLLM's sleep mode does not run on a CPU)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append((method, kwargs["weights_path"]))
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def gpu_engine(lora: bool):
+    from pathlib import Path
+
+    from retool.sampling.vllm_engine import VLLMSampler
+
+    engine = object.__new__(VLLMSampler)  # the engine's state as __init__ leaves it on a GPU, without vLLM
+    engine.device, engine.llm = "cuda", RecordingLLM()
+    engine.options = {"enable_sleep_mode": True, **({"enable_lora": True} if lora else {})}
+    engine.model_path = engine.weights = Path("base")
+    engine.policy, engine.lora_request, engine.sleeping, engine.sleep_level = None, None, False, 1
+    return engine
+
+
+def test_a_full_weights_engine_sleeps_at_level_2_and_wakes_into_the_next_policys_weights():
+    from pathlib import Path
+
+    from retool.weights.checkpoint import Policy
+
+    engine = gpu_engine(lora=False)
+    engine.sleep()
+    engine.use_policy(Policy(Path("step0/model"), None))
+    assert engine.llm.calls == [
+        ("sleep", 2),  # weights dropped, not copied to host memory and back
+        ("wake_up", ["weights"]),
+        ("reload_weights", "step0/model"),  # into the woken buffers, before the KV cache takes its memory
+        ("wake_up", ["kv_cache"]),
+        ("reset_prefix_cache",),
+    ]
+    lora = gpu_engine(lora=True)
+    lora.sleep()
+    lora.wake()
+    assert lora.llm.calls == [("sleep", 1), ("wake_up", None)]  # the base weights it serves LoRA over are kept

@@ -344,13 +344,37 @@ def test_bfloat16_gives_close_losses_and_gradients(tiny_model_dir):
         assert gradient.abs().max() == 0 or cosine > 0.95, name
 
 
-def test_the_trainer_dtype_follows_the_device():
+def test_the_trainer_dtype_follows_the_device_and_the_policy():
     from retool.config.settings import RunConfig, RunSettings, frozen
 
     on_gpu, on_cpu = RunSettings(run=RunConfig(device="cuda")), RunSettings(run=RunConfig(device="cpu"))
     assert on_gpu.trainer_on_device().dtype == "bfloat16" and on_gpu.trainer_on_device().gradient_checkpointing
+    assert on_gpu.trainer_on_device().autocast_bfloat16 == "true"  # LoRA's float32 adapters multiply in bfloat16
     assert on_cpu.trainer_on_device().dtype == "float32" and not on_cpu.trainer_on_device().gradient_checkpointing
     assert frozen(on_cpu)["trainer"]["dtype"] == "float32"  # runs frozen before "auto" still match
+    # A full fine-tune keeps float32 master weights and Adam state on a GPU too, and so does a full cold start
+    # before LoRA RL: only a LoRA's frozen base is held in bfloat16.
+    full = on_gpu.changed(trainer={"lora_rank": 0})
+    assert full.trainer_on_device().dtype == "float32" and full.trainer_on_device().autocast_bfloat16 == "true"
+    assert on_gpu.changed(cold_start={"lora_rank": 0}).sft_trainer().dtype == "float32"
+
+
+def test_a_full_fine_tune_in_bfloat16_compute_changes_every_weight_at_a_small_learning_rate(tiny_model_dir):
+    """Mixed precision: float32 weights and Adam state, products in bfloat16 (autocast), take Adam's first step of
+    lr 1e-5 on every weight; weights held in bfloat16 lose it wherever it is below half a unit in the last place."""
+
+    from bench.gpu import share_updated
+
+    def changed_fraction(config: TrainerConfig) -> float:
+        model, optimizer = load_policy(tiny_model_dir, None, config)
+        before = [p.detach().clone() for p in model.parameters()]
+        train_step(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
+        return share_updated(model, optimizer, before)
+
+    full = TrainerConfig(lora_rank=0, learning_rate=1e-5, gradient_checkpointing=False, autocast_bfloat16="true")
+    mixed = changed_fraction(full)  # dtype auto: float32 master weights
+    pure = changed_fraction(replace(full, dtype="bfloat16"))
+    assert mixed >= 0.99 and pure < 0.5, (mixed, pure)
 
 
 def test_auto_sampler_on_a_gpu_without_vllm_fails_loudly(monkeypatch):

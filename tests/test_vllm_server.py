@@ -138,6 +138,64 @@ def test_a_lora_policy_switched_through_the_server_passes_the_sync_check(server,
     assert sampler.model == sampler.base_model
 
 
+ANOTHER_PROCESS = """
+import sys
+from pathlib import Path
+from retool.sampling.contract import SampleRequest, SamplingSettings
+from retool.sampling.server_client import ServerSampler
+from retool.weights.checkpoint import Checkpoint
+url, checkpoint, base = sys.argv[1:]
+sampler = ServerSampler(url, "cpu")
+sampler.use_policy(Checkpoint(Path(checkpoint)).policy(Path(base)))
+reply = sampler.sample([SampleRequest(0, (0,), tuple(range(100, 140)), 12, seed=5)], SamplingSettings())
+sampler.close()
+print(sampler.model, *reply[0][0].tokens)
+"""
+
+
+def test_every_process_serves_a_lora_policy_through_one_server_and_the_next_policy_frees_the_last(
+    server, tiny_model_dir, tmp_path
+):
+    """A worker, a retry, another command or node: each process loads the step's adapter under the same name,
+    which the server already has; a process that moves on to the next step's adapter unloads the last one, and
+    one still sampling with it loads it again."""
+    from dataclasses import replace
+
+    import requests as http
+
+    from retool.training.checkpoints import save_checkpoint
+    from retool.training.step import load_policy, train_step
+    from tests.test_policy_sync import LORA, trained_checkpoint
+    from tests.test_trainer import on_policy_datums
+
+    trained_checkpoint(tiny_model_dir, tmp_path / "step0")
+    other = replace(LORA, seed=7)  # other initial LoRA weights: the next step's adapter
+    model, optimizer = load_policy(tiny_model_dir, None, other)
+    metrics = train_step(model, optimizer, on_policy_datums(model), other, num_trajectories=2)
+    save_checkpoint(tmp_path / "step1", model, optimizer, metrics, other, tiny_model_dir)
+    step0, step1 = (Checkpoint(tmp_path / name).policy(tiny_model_dir) for name in ("step0", "step1"))
+    request = SampleRequest(0, (0,), tuple(range(100, 140)), 12, seed=5)
+
+    first = ServerSampler(server, "cpu")
+    first.use_policy(step0)
+    command = [sys.executable, "-c", ANOTHER_PROCESS, server, str(tmp_path / "step0"), str(tiny_model_dir)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    name, *tokens = done.stdout.split()
+    assert name == first.model != first.base_model  # the same name, loaded again by a second process
+    assert list(first.sample([request], SamplingSettings())[0][0].tokens) == [int(t) for t in tokens]
+
+    third = ServerSampler(server, "cpu")
+    third.use_policy(step0)
+    third.use_policy(step1)
+    served = {card["id"] for card in http.get(f"{server}/v1/models", timeout=10).json()["data"]}
+    assert first.model not in served and third.model in served  # the last step's adapter is off the list
+    again = first.sample([request], SamplingSettings())[0][0]  # loaded again by the process still using it
+    assert list(again.tokens) == [int(t) for t in tokens]
+    for sampler in (first, third):
+        sampler.close()
+
+
 def test_the_server_sleeps_while_a_step_trains_and_wakes_after(configure, server, monkeypatch):
     import retool.training.step
     from pipeline import TrainStep

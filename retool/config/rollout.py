@@ -52,8 +52,8 @@ class RolloutConfig:
     max_assistant_tokens: int = 1024  # tokens one assistant turn may generate
     max_tool_response_tokens: int = 512  # tokens one tool observation may hold
     min_tool_response_tokens: int = 16  # room kept free for an observation when a turn may call the tool
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling temperature; the trainer takes its logprobs at the same one
+    top_p: float = 1.0  # nucleus sampling: 1 in training (see check_training); an evaluation may set its own
     seed: int = 42  # base of every sampling seed (see sample_seed)
     trainer_max_tokens: int = 8192  # the trainer's context; trajectories must fit it
     shards: int = 1  # independent chains of round files per step (the pipeline's unit of parallel work)

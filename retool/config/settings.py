@@ -121,26 +121,32 @@ class RunSettings:
         return Path(self.run.runs_dir) / self.run.name
 
     def trainer_on_device(self) -> TrainerConfig:
-        """The [trainer] section for this run's device: `auto` resolved (weights in bfloat16 on CUDA, float32 on a
-        CPU; autocast where the device computes bfloat16 natively), and activations recomputed only on CUDA (a
-        CPU run has memory to spare)."""
-        on_cuda = self.run.device == "cuda"
-        return replace(
-            self.trainer,
-            dtype=resolved_dtype(self.trainer.dtype, self.run.device),
-            autocast_bfloat16=resolved_autocast(self.trainer.autocast_bfloat16, self.run.device),
-            gradient_checkpointing=self.trainer.gradient_checkpointing and on_cuda,
-        )
+        """The [trainer] section for this run's device, `auto` resolved (see on_device)."""
+        return self.on_device(replace(self.trainer, temperature=self.rollout.temperature))
 
     def sft_trainer(self) -> TrainerConfig:
         """The cold start trains through the same trainer, with the supervised objective."""
-        return replace(
-            self.trainer_on_device(),
+        sft = replace(
+            self.trainer,
             objective="sft",
             lora_rank=self.cold_start.lora_rank,
             learning_rate=self.cold_start.learning_rate,
             loss_aggregation="token_mean",
             tis_cap=0.0,
+            temperature=1.0,
+        )
+        return self.on_device(sft)
+
+    def on_device(self, trainer: TrainerConfig) -> TrainerConfig:
+        """`trainer` with `auto` resolved for this run's device (float32 weights for a full fine-tune, bfloat16
+        for a LoRA's base on CUDA; autocast where the device computes bfloat16 natively), and activations
+        recomputed only on CUDA (a CPU run has memory to spare)."""
+        on_cuda = self.run.device == "cuda"
+        return replace(
+            trainer,
+            dtype=resolved_dtype(trainer.dtype, self.run.device, trainer.lora_rank),
+            autocast_bfloat16=resolved_autocast(trainer.autocast_bfloat16, self.run.device),
+            gradient_checkpointing=trainer.gradient_checkpointing and on_cuda,
         )
 
     def changed(self, **sections: dict[str, Any]) -> RunSettings:
@@ -176,7 +182,7 @@ def sampled_by(engine: str, device: str) -> str:
 
 
 # Fields of a section's dataclass that are not settings (the code sets them).
-INTERNAL = {"trainer": ("objective",)}
+INTERNAL = {"trainer": ("objective", "temperature")}
 
 
 def setting_fields(section: str, config: type) -> list:
@@ -209,6 +215,12 @@ def check_training(settings: RunSettings) -> None:
             f"setting [rollout] group_size = {settings.rollout.group_size}: training needs at least 2 samples per "
             "question, since advantages are rewards minus their group's mean and a group of one never has a "
             "learning signal"
+        )
+    if settings.rollout.top_p < 1:
+        raise SettingsError(
+            f"setting [rollout] top_p = {settings.rollout.top_p}: training samples with top_p = 1, since the trainer "
+            "takes each token's logprob over the whole vocabulary (at the sampling temperature) and a nucleus "
+            "would make the sampler's distribution another one; an evaluation may set its own (--top-p)"
         )
     limit = seed_capacity("question_index")
     if settings.data.questions_rolled_out > limit:

@@ -31,7 +31,9 @@ class TrainerConfig:
     micro_batch_tokens: int = 16384  # padded tokens per micro-batch
     tis_cap: float = 0.0  # truncated importance sampling cap on trainer/sampler ratio; 0 = off
     filter_zero_variance_groups: bool = False  # sample_mean over datums only, not all trajectories
-    dtype: str = "auto"  # the weights Adam updates: auto (bfloat16 on CUDA, float32 on a CPU) | float32 | bfloat16
+    # The weights' dtype: auto (float32 for a full fine-tune, bfloat16 for a LoRA's frozen base on CUDA) | float32
+    # | bfloat16 (a full fine-tune in pure bfloat16 loses updates smaller than half a unit in the last place)
+    dtype: str = "auto"
     # Mixed precision: matrix products in bfloat16 over weights kept in `dtype`: auto (where the device computes
     # bfloat16 natively: CUDA, a CPU with AVX512-BF16 or AMX; 1.6x faster there) | true | false
     autocast_bfloat16: str = "auto"
@@ -39,6 +41,9 @@ class TrainerConfig:
     logprob_chunk_tokens: int = 1024  # loss tokens whose vocabulary-wide logits exist at once
     max_sampler_gap: float = 0.0  # fail a step whose mean |trainer - sampler| logprob exceeds this; 0 = no check
     seed: int = 42  # initial LoRA weights
+    # The sampling temperature the logprobs are taken at, so that PPO's ratio is against the distribution the
+    # sampler drew from (set by the code: the run's [rollout] temperature; 1 for the cold start)
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
         require(self, "lora_rank", self.lora_rank >= 0, ">= 0 (0: full fine-tuning)")
@@ -65,12 +70,14 @@ class TrainerConfig:
             require(self, name, getattr(self, name) > 0, "> 0")
 
 
-def resolved_dtype(dtype: str, device: str) -> str:
-    """The weights' dtype `auto` stands for on a device: bfloat16 on CUDA, float32 on a CPU (where bfloat16 goes
-    no further than the matrix products, through autocast_bfloat16)."""
+def resolved_dtype(dtype: str, device: str, lora_rank: int) -> str:
+    """The weights' dtype `auto` stands for: bfloat16 for the frozen base of a LoRA on CUDA; float32 for the weights
+    Adam updates in a full fine-tune, on any device (mixed precision: the products run in bfloat16 through
+    autocast_bfloat16). In bfloat16 itself, an update of lr 1e-5 is below half a unit in the last place of any
+    weight above about 0.004 in magnitude, so most weights would never change."""
     if dtype != "auto":
         return dtype
-    return "bfloat16" if device.startswith("cuda") else "float32"
+    return "bfloat16" if device.startswith("cuda") and lora_rank else "float32"
 
 
 def resolved_autocast(autocast_bfloat16: str, device: str) -> str:

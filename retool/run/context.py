@@ -20,7 +20,14 @@ from retool.files.tables import OBSERVATIONS, PROMPTS, SAMPLES, read_table
 from retool.protocol.chat import ChatProtocol, load_tokenizer
 from retool.rollout.replay import RoundFiles, replay
 from retool.rollout.state import Trajectory
-from retool.run.setup import bfloat16_warning, check_machine, freeze, precision_line, workers_warning
+from retool.run.setup import (
+    bfloat16_warning,
+    check_machine,
+    freeze,
+    kernels_line,
+    precision_line,
+    workers_warning,
+)
 from retool.sampling import engines
 from retool.sampling.contract import Sampler
 from retool.sampling.server import server_urls
@@ -37,7 +44,9 @@ def open_run(settings: RunSettings, workers: int = 1) -> None:
     load what every task of the run shares (`workers`: the command's worker processes)."""
     check_training(settings)
     check_machine(settings)
-    print(precision_line(settings), flush=True)
+    for line in (precision_line(settings), kernels_line(settings)):
+        if line:
+            print(line, flush=True)
     for warning in (workers_warning(settings, workers), bfloat16_warning(settings)):
         if warning:
             log.warning(warning)

@@ -3,6 +3,7 @@ settings frozen into runs/<run>/config.json (a later command with different sett
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -76,6 +77,20 @@ def precision_line(settings: RunSettings) -> str:
     )
     line = f"dtype: sampler {engine_dtype(settings.sampler, settings.run.device)}, trainer {trainer.dtype}{products}"
     return f"{line} (auto: {why(settings.run.device)})"
+
+
+# Qwen3.5's linear-attention kernels by module: without them transformers trains it on a slower torch path.
+LINEAR_ATTENTION_KERNELS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
+
+
+def kernels_line(settings: RunSettings) -> str | None:
+    """On a GPU: which of the linear-attention kernels the trainer can use."""
+    if settings.run.device != "cuda":
+        return None
+    found = {name: importlib.util.find_spec(module) is not None for module, name in LINEAR_ATTENTION_KERNELS.items()}
+    listed = ", ".join(f"{name} {'active' if active else 'missing'}" for name, active in found.items())
+    missing = "" if all(found.values()) else " (a linear-attention model such as Qwen3.5 trains slower: make gpu-venv)"
+    return f"kernels: {listed}{missing}"
 
 
 def bfloat16_warning(settings: RunSettings) -> str | None:

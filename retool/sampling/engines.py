@@ -59,13 +59,18 @@ def release_sampler_memory(settings: RunSettings) -> None:
 
 
 def reclaim_sampler_memory(settings: RunSettings) -> None:
-    """Once the step's checkpoint is written: the run's servers wake up for the next round."""
-    for engine in _samplers_holding_memory(settings):
-        engine.wake()
+    """Once the step's checkpoint is written: the run's servers wake up for the next round. This process's own
+    engine wakes when it is next used, into the next policy's weights (waking it now would load the old ones
+    first: on a CPU, a whole engine start)."""
+    if sampler_kind(settings) == "vllm-server":
+        for engine in _samplers_holding_memory(settings):
+            engine.wake()
 
 
 def _samplers_holding_memory(settings: RunSettings) -> list[Sampler]:
     if sampler_kind(settings) == "vllm-server":
+        if not settings.sampler.sleep_while_training:  # the run's servers start in sleep mode only then
+            return []
         return [_engine(settings, shard) for shard in range(len(server_urls(settings)))]
     return list(_engines.values())
 

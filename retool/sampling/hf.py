@@ -100,8 +100,9 @@ class HFSampler:
                 batch_positions = [p for p, row in enumerate(alive) if owners[row] == index]
                 if batch_positions:
                     next_tokens[batch_positions] = _draw(logits[batch_positions], settings, generator)
-            # Logprobs of the unscaled distribution, as vLLM reports them and the trainer computes them.
-            chosen = torch.log_softmax(logits, dim=-1).gather(1, next_tokens[:, None]).squeeze(1).tolist()
+            # Logprobs of the distribution drawn from (logits / temperature), as vLLM reports them and the trainer
+            # computes them.
+            chosen = _logprobs(logits, settings).gather(1, next_tokens[:, None]).squeeze(1).tolist()
             still_alive = []
             for position, row in enumerate(alive):
                 tokens[row].append(int(next_tokens[position]))
@@ -133,6 +134,21 @@ class HFSampler:
         for row, owner in enumerate(owners):
             replies[owner].append(SampledSequence(tuple(tokens[row]), tuple(logprobs[row]), finish[row] or "length"))
         return replies
+
+
+def _logprobs(logits: torch.Tensor, settings: SamplingSettings) -> torch.Tensor:
+    """The log of the distribution _draw draws from: logits / temperature, renormalised over the nucleus (the
+    smallest set of tokens whose probability reaches top_p) when top_p < 1, -inf outside it."""
+    logprobs = torch.log_softmax(logits / settings.temperature, dim=-1)
+    if settings.top_p < 1.0:
+        sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)
+        sorted_probs = sorted_logprobs.exp()
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs > settings.top_p
+        nucleus = torch.full_like(logprobs, -torch.inf).scatter(
+            1, order, sorted_logprobs.masked_fill(outside, -torch.inf)
+        )
+        logprobs = torch.log_softmax(nucleus, dim=-1)
+    return logprobs
 
 
 def _draw(logits: torch.Tensor, settings: SamplingSettings, generator: torch.Generator) -> torch.Tensor:

@@ -22,7 +22,7 @@ from retool.config.settings import RunSettings, SettingsError
 from retool.files.atomic import write_text_atomically
 from retool.files.layout import RunFolder
 from retool.sampling.server_client import is_healthy, served_model
-from retool.sampling.vllm_engine import CPU_ENVIRONMENT
+from retool.sampling.vllm_engine import CPU_ENVIRONMENT, LOGPROBS_MODE
 from retool.weights.models import resolve_model
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ def server_command(settings: RunSettings, port: int) -> list[str]:
         "0",
         "--dtype",
         engine_dtype(settings.sampler, settings.run.device),
+        "--logprobs-mode",  # logprobs at the sampling temperature, as the trainer takes them
+        LOGPROBS_MODE,
     ]
     if on_cpu:  # as the in-process CPU engine: eager, no chunked prefill (see retool.sampling.vllm_engine)
         command += ["--enforce-eager", "--no-enable-chunked-prefill"]

@@ -2,7 +2,8 @@
 each one's logprob out (nothing is re-tokenised). One long-lived server samples for every shard,
 worker and command; it loads each step's adapter at run time and sleeps while a step trains on its GPU.
 
-Endpoints used: /health, /v1/completions, /v1/load_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING),
+Endpoints used: /health, /v1/completions, /v1/load_lora_adapter and /v1/unload_lora_adapter
+(VLLM_ALLOW_RUNTIME_LORA_UPDATING),
 and the development ones (VLLM_SERVER_DEV_MODE) /reset_prefix_cache, /collective_rpc, /sleep, /wake_up.
 """
 
@@ -65,6 +66,7 @@ class ServerSampler:
         # Adapters renamed for the engine; removed by close(), or when the process exits without closing it.
         self._adapters_folder = tempfile.TemporaryDirectory(prefix="retool-adapters-")
         self._adapters = Path(self._adapters_folder.name)
+        self._adapter_path: Path | None = None  # this process's copy of the adapter it samples with, if any
         self._workers = workers  # HTTP calls at once, one per request: the server batches them
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0  # the process the pool's threads run in (a forked worker needs its own)
@@ -77,17 +79,35 @@ class ServerSampler:
             return
         self.wake()
         self._load_weights(policy.weights if policy is not None else Path(self.base_model))
-        self.model = self.base_model
+        previous, self.model = self.model, self.base_model
         if policy is not None and policy.adapter is not None:
             # Named by content: every process and command that serves this checkpoint loads the same name,
             # and an adapter trained again at the same path gets a new one (the server caches by name).
             name = "policy-" + hashlib.sha256((policy.adapter / ADAPTER_WEIGHTS).read_bytes()).hexdigest()[:16]
-            served = adapter_for_engine(policy.adapter, Path(self.base_model), self._adapters / name)
-            payload = {"lora_name": name, "lora_path": str(served)}
-            _call("POST", self.url, "/v1/load_lora_adapter", self.request_timeout_seconds, json=payload)
+            self._adapter_path = adapter_for_engine(policy.adapter, Path(self.base_model), self._adapters / name)
+            self._load_adapter(name)
             self.model = name
+        if previous not in (self.base_model, self.model):  # no longer served by this process: off the server's list
+            self._unload_adapter(previous)
         _call("POST", self.url, "/reset_prefix_cache", self.request_timeout_seconds)
         self.policy = policy
+
+    def _load_adapter(self, name: str) -> None:
+        """Loads (or loads again) the adapter `name` from this process's copy. Another process (a worker, a
+        retry, another command or node) may have loaded the same name, with the same content, from its own
+        copy: `load_inplace` makes that a reload from this one, which outlives the other's, rather than vLLM's
+        "already loaded" refusal."""
+        payload = {"lora_name": name, "lora_path": str(self._adapter_path), "load_inplace": True}
+        _call("POST", self.url, "/v1/load_lora_adapter", self.request_timeout_seconds, json=payload)
+
+    def _unload_adapter(self, name: str) -> None:
+        """Frees the server's entry for an adapter this process no longer samples with. Another process still
+        sampling with it loads it again (see _sample_one); one that unloaded it first leaves nothing to do."""
+        try:
+            _call("POST", self.url, "/v1/unload_lora_adapter", self.request_timeout_seconds, json={"lora_name": name})
+        except ServerError as error:
+            if " answered 404" not in str(error):
+                raise
 
     def _load_weights(self, weights: Path) -> None:
         if weights.resolve() == self.weights.resolve():
@@ -149,7 +169,13 @@ class ServerSampler:
             "return_token_ids": True,
             "skip_special_tokens": False,
         }
-        reply = _call("POST", self.url, "/v1/completions", self.request_timeout_seconds, json=body)
+        try:
+            reply = _call("POST", self.url, "/v1/completions", self.request_timeout_seconds, json=body)
+        except ServerError as error:
+            if self.model == self.base_model or " answered 404" not in str(error):
+                raise
+            self._load_adapter(self.model)  # another process unloaded it after its own step: load it again
+            reply = _call("POST", self.url, "/v1/completions", self.request_timeout_seconds, json=body)
         sequences = []
         for choice in sorted(reply["choices"], key=lambda c: c["index"]):
             tokens = tuple(choice["token_ids"])

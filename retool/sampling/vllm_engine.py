@@ -24,6 +24,7 @@ CPU_ENVIRONMENT = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
+LOGPROBS_MODE = "processed_logprobs"  # of the distribution sampled from: after temperature (and a nucleus)
 
 
 def vllm_logs_to(path: Path | None) -> None:
@@ -95,13 +96,17 @@ class VLLMSampler:
             }
         if lora_rank:
             options.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
+        # Logprobs of the distribution each token was drawn from (logits / temperature), as the trainer takes them;
+        # vLLM's default is the raw logits' logprobs, which agree with it only at temperature 1.
+        options["logprobs_mode"] = LOGPROBS_MODE
         self.device, self.options = device, dict(max_model_len=max_model_len, seed=0, **options)
         self.weights = Path(weights) if weights is not None else self.model_path  # the full weights it holds now
         self.llm = LLM(model=str(self.weights), tokenizer=str(self.model_path), **self.options)
         self.policy: Policy | None = None  # the policy sampled from; None = the model above
         self.lora_request = None  # the adapter every request is sampled with, if any
         self._lora_ids = 0  # adapters served so far: each gets a new id
-        self.sleeping = False  # weights offloaded to CPU memory and KV cache freed (sleep mode, GPU only)
+        self.sleeping = False  # in vLLM's sleep mode (GPU only): KV cache freed, weights offloaded or dropped
+        self.sleep_level = 1  # 1: weights offloaded to CPU memory; 2: dropped (full weights, reloaded on waking)
         # Adapters renamed for the engine; removed by close(), or when the process exits without closing it.
         self._adapters_folder = tempfile.TemporaryDirectory(prefix="retool-adapters-")
         self._adapters = Path(self._adapters_folder.name)
@@ -125,18 +130,28 @@ class VLLMSampler:
         self.weights = weights
 
     def sleep(self) -> None:
-        """Gives the memory back to a training step in this process. On a GPU, vLLM's sleep mode (level 1:
-        weights to CPU memory, KV cache dropped); on a CPU the engine stops, since it loads each new policy
-        in a fresh engine anyway (see _load_weights). The next use wakes it up."""
+        """Gives the memory back to a training step in this process. On a GPU, vLLM's sleep mode: level 1 under
+        a LoRA (the base weights it keeps serving go to CPU memory), level 2 for full weights (dropped: the next
+        policy brings its own, and copying them out and back would cost two transfers of the whole model). On a
+        CPU the engine stops, since it loads each new policy in a fresh engine anyway (see _load_weights). The
+        next use wakes it up."""
         if self.device == "cpu":
             self._stop_engine()
         elif self.options.get("enable_sleep_mode") and not self.sleeping:
-            self.llm.sleep(level=1)
+            self.sleep_level = 1 if self.options.get("enable_lora") else 2
+            self.llm.sleep(level=self.sleep_level)
             self.sleeping = True
 
-    def wake(self) -> None:
+    def wake(self, weights: Path | None = None) -> None:
+        """Takes the memory back; after a level-2 sleep, with `weights` (by default those it held) loaded into
+        the woken weight buffers before the KV cache is allocated, as vLLM's sleep-mode recipe for new weights."""
         if self.device == "cpu" and self.llm is None:
-            self._start_engine(self.weights)
+            self._start_engine(weights or self.weights)
+        elif self.sleeping and self.sleep_level == 2:
+            self.llm.wake_up(tags=["weights"])
+            self._reload_weights(weights or self.weights)
+            self.llm.wake_up(tags=["kv_cache"])
+            self.sleeping = False
         elif self.sleeping:
             self.llm.wake_up()
             self.sleeping = False
@@ -147,10 +162,11 @@ class VLLMSampler:
         place."""
         if policy == self.policy:
             return
+        weights = policy.weights if policy is not None else self.model_path
         if self.device != "cpu":  # a CPU engine that was stopped starts with the policy's weights below
-            self.wake()
+            self.wake(weights)
         self.lora_request = None
-        self._load_weights(policy.weights if policy is not None else self.model_path)
+        self._load_weights(weights)
         if policy is not None and policy.adapter is not None:
             from vllm.lora.request import LoRARequest
 
@@ -170,8 +186,11 @@ class VLLMSampler:
         if self.device == "cpu":
             self._start_engine(weights)
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights)})
-            self.weights = weights
+            self._reload_weights(weights)
+
+    def _reload_weights(self, weights: Path) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights)})
+        self.weights = weights
 
     def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
         if not requests:

@@ -148,7 +148,7 @@ def train_cold_start(
     last resume point under `progress`. Publishes `out` with full weights (a LoRA is merged in), so
     RL starts from it as from any base model. Returns the loss of every step."""
     from retool.training.checkpoints import save_checkpoint
-    from retool.training.step import load_policy, release_memory, set_seed, train_step
+    from retool.training.step import check_memory, load_policy, release_memory, set_seed, train_step
 
     if Checkpoint(out).marker.exists():  # published, but the losses table was not written yet
         return json.loads((out / LOSSES).read_text())
@@ -156,6 +156,7 @@ def train_cold_start(
     losses = json.loads((progress / LOSSES).read_text()) if resume else []
     if resume is None:
         set_seed(trainer.seed)
+    check_memory(base_model, trainer, device)
     model, optimizer = load_policy(base_model, resume, trainer, device)
     for step in range(len(losses), config.steps):
         batch = [datums[i] for i in batch_indices(len(datums), config.batch_size, step, config.seed)]

@@ -10,9 +10,9 @@ from retool.config.trainer import TrainerConfig
 
 
 def _target_logprobs_and_entropy(
-    lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor
+    lm_head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logprobs = torch.log_softmax(lm_head(hidden).float(), dim=-1)
+    logprobs = torch.log_softmax(lm_head(hidden).float() / temperature, dim=-1)
     with torch.no_grad():  # a diagnostic: no gradient flows through the entropy
         entropy = -(logprobs.exp() * logprobs).sum(-1)
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
@@ -26,8 +26,10 @@ def token_logprobs(
     where: torch.Tensor | None = None,
     chunk_tokens: int = 1024,
     with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Logprob of each target (and, `with_entropy`, the entropy of the next-token distribution there);
+    """Logprob of each target (and, `with_entropy`, the entropy of the next-token distribution there) under
+    the distribution the sampler drew from, logits / `temperature` (the behaviour policy of PPO's ratio);
     with `where`, only at those positions (0 elsewhere): the output layer and its softmax over the whole
     vocabulary then run on the loss tokens alone, which on a small model is most of the step's cost,
     `chunk_tokens` at a time. Under autograd each chunk's logits are recomputed in the backward pass rather
@@ -40,7 +42,12 @@ def token_logprobs(
     hidden, chosen = hidden[where], targets[where]
     logprob_pieces, entropy_pieces = [], []
     for start in range(0, hidden.shape[0], chunk_tokens):
-        chunk = (causal_lm.lm_head, hidden[start : start + chunk_tokens], chosen[start : start + chunk_tokens])
+        chunk = (
+            causal_lm.lm_head,
+            hidden[start : start + chunk_tokens],
+            chosen[start : start + chunk_tokens],
+            temperature,
+        )
         if torch.is_grad_enabled():
             logprobs, entropy = torch.utils.checkpoint.checkpoint(
                 _target_logprobs_and_entropy, *chunk, use_reentrant=False

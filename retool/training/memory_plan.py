@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from retool.config.trainer import TrainerConfig, resolved_dtype
+from retool.config.trainer import TrainerConfig, resolved_autocast, resolved_dtype
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -26,7 +26,7 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    weights: int  # bytes of the model's weights in the training dtype
+    weights: int  # bytes of the model's weights in the training dtype (and autocast's bfloat16 copies of them)
     trainable_state: int  # the trained weights' gradients and Adam moments (and LoRA's own weights)
     activations: int  # of one micro-batch, at the peak of its backward pass
     logits: int  # one chunk of output-layer logits, their softmax and its gradient, in float32
@@ -73,22 +73,26 @@ def shape_of(config) -> ModelShape:
 
 def plan_step(shape: ModelShape, config: TrainerConfig, device: str) -> MemoryPlan:
     """The estimate for one micro-batch of `micro_batch_tokens` (padding included) under `config`."""
-    size = DTYPE_BYTES[resolved_dtype(config.dtype, device)]
+    size = DTYPE_BYTES[resolved_dtype(config.dtype, device, config.lora_rank)]
+    compute = DTYPE_BYTES["bfloat16"] if resolved_autocast(config.autocast_bfloat16, device) == "true" else size
+    weights = shape.parameters * size
     if config.lora_rank:
         # PEFT keeps adapter weights in float32: weight, gradient and two Adam moments.
         trainable = shape.lora_parameters * config.lora_rank * 4 * 4
     else:
         trainable = shape.parameters * size * 3  # gradient and two Adam moments in the weights' dtype
+        if compute < size:  # autocast's bfloat16 copy of each trained weight, cached until the backward pass
+            weights += shape.parameters * compute
     tokens = config.micro_batch_tokens
     # One layer's forward and backward intermediates: attention projections and output, the MLP's gate,
     # up and product, norms, and their gradients (about twice the forward's).
-    one_layer = 2 * tokens * size * (6 * shape.hidden_size + 4 * shape.intermediate_size)
+    one_layer = 2 * tokens * compute * (6 * shape.hidden_size + 4 * shape.intermediate_size)
     if config.gradient_checkpointing:
-        activations = shape.layers * tokens * shape.hidden_size * size + one_layer  # saved inputs, one recomputed
+        activations = shape.layers * tokens * shape.hidden_size * compute + one_layer  # saved inputs, one recomputed
     else:
         activations = shape.layers * one_layer
     logits = 3 * min(config.logprob_chunk_tokens, tokens) * shape.vocab_size * 4
-    return MemoryPlan(shape.parameters * size, trainable, activations, logits)
+    return MemoryPlan(weights, trainable, activations, logits)
 
 
 class MemoryPlanError(RuntimeError):

@@ -45,7 +45,7 @@ def load_policy(base_model: Path, previous: Path | None, config: TrainerConfig, 
     """The trainable model and its Adam optimizer, restored from the previous checkpoint if any."""
     from transformers import AutoModelForCausalLM
 
-    dtype = getattr(torch, resolved_dtype(config.dtype, device))
+    dtype = getattr(torch, resolved_dtype(config.dtype, device, config.lora_rank))
     policy = Checkpoint(previous).policy(base_model) if previous is not None else Policy(base_model)
     model = AutoModelForCausalLM.from_pretrained(str(policy.weights), dtype=dtype).to(device)
     return prepare_policy(model, previous, config, device)
@@ -140,6 +140,7 @@ def policy_pass(
                 mask,
                 config.logprob_chunk_tokens,
                 with_entropy=True,
+                temperature=config.temperature,
             )
             if weights is not None:
                 loss, clipped = token_loss(logprobs, tensors["old_logprobs"], tensors["advantages"], config)
@@ -282,6 +283,15 @@ def train_step(
 # -- one step from files, in-process or under torchrun ------------------------------------------------
 
 
+def check_memory(base_model: Path, config: TrainerConfig, device: str) -> None:
+    """On a GPU, before the model loads: the step's memory plan, printed, and refused when it does not fit the
+    memory free now (beside the sampler, which sleeps while a step trains)."""
+    if device.startswith("cuda"):
+        plan = plan_step(model_shape(base_model), config, device)
+        print(f"memory plan of the training step: {plan.describe()}", flush=True)
+        check_plan(plan, torch.cuda.mem_get_info()[0])
+
+
 def train_from_files(
     base_model: Path,
     datums: list[Datum],
@@ -294,10 +304,7 @@ def train_from_files(
 ) -> StepMetrics:
     if previous is None:
         set_seed(config.seed)
-    if device.startswith("cuda"):
-        plan = plan_step(model_shape(base_model), config, device)
-        print(f"memory plan of the training step: {plan.describe()}", flush=True)
-        check_plan(plan, torch.cuda.mem_get_info()[0])
+    check_memory(base_model, config, device)
     model, optimizer = load_policy(base_model, previous, config, device)
     try:
         metrics = train_step(model, optimizer, datums, config, num_trajectories, device, zero_variance_groups)
