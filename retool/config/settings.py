@@ -204,7 +204,7 @@ def frozen(settings: RunSettings) -> dict[str, dict[str, Any]]:
     return sections
 
 
-# The settings whose `auto` depends on the machine's processor (retool.config.precision).
+# The settings that choose a precision; their `auto` depends on the machine (retool.config.precision).
 PRECISION = {"sampler": ("dtype",), "trainer": ("dtype", "autocast_bfloat16")}
 
 

@@ -93,15 +93,21 @@ def kernels_line(settings: RunSettings) -> str | None:
     return f"kernels: {listed}{missing}"
 
 
+def precision_settings(settings: RunSettings) -> list[tuple[str, str]]:
+    """('[sampler] dtype', its value as set) for each setting that chooses a precision."""
+    return [
+        (f"[{section}] {name}", getattr(getattr(settings, section), name))
+        for section, names in PRECISION.items()
+        for name in names
+    ]
+
+
 def bfloat16_warning(settings: RunSettings) -> str | None:
     """One line when a setting forces bfloat16 on a CPU that only emulates it, with what that costs here."""
     if bfloat16_native(settings.run.device):
         return None
     forced = [
-        f"[{section}] {name} = {getattr(getattr(settings, section), name)}"
-        for section, names in PRECISION.items()
-        for name in names
-        if getattr(getattr(settings, section), name) in ("bfloat16", "true")
+        f"{setting} = {value}" for setting, value in precision_settings(settings) if value in ("bfloat16", "true")
     ]
     if not forced:
         return None
@@ -139,11 +145,9 @@ def differences(recorded: dict[str, dict[str, Any]], wanted: dict[str, dict[str,
 def auto_hint(settings: RunSettings, differing: list[str]) -> str:
     """Why a run frozen on another machine may differ: its `auto` precision settings chose for that machine."""
     automatic = [
-        f"[{section}] {name}"
-        for section, names in PRECISION.items()
-        for name in names
-        if getattr(getattr(settings, section), name) == "auto"
-        and any(line.startswith(f"[{section}] {name} =") for line in differing)
+        setting
+        for setting, value in precision_settings(settings)
+        if value == "auto" and any(line.startswith(f"{setting} =") for line in differing)
     ]
     if not automatic:
         return ""
