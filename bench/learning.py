@@ -134,11 +134,11 @@ def _stage_seconds(run: Path) -> list[tuple[str, str]]:
 
 def _paired_against(final: Path, other: Path) -> list[tuple[str, str]]:
     """This run's final policy against another run's on the same questions, in-family and held-out apart."""
+    from jobs.before_after import training_sources
     from pipeline.config import current_settings
     from retool.evaluation.scores import paired_difference, question_groups
     from retool.files.layout import StepFolder
     from retool.files.tables import TRAJECTORIES, read_table
-    from retool.stages.summary import training_sources
 
     ours, theirs = (read_table(StepFolder(folder).trajectories, TRAJECTORIES) for folder in (final, other))
     rows = []

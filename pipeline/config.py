@@ -2,14 +2,16 @@
 --rollout-group-size on the command line. One class per RunSettings section, one parameter per field."""
 
 import difflib
+import json
 import re
-from dataclasses import MISSING, fields
+from dataclasses import MISSING, asdict, fields
 from functools import lru_cache
 
 import luigi
 import luigi.cmdline_parser
 
 from retool.config.settings import RunSettings, SettingsError, setting_fields
+from retool.evaluation.spec import EvalSpec
 
 _PARAMETER_TYPES = {
     bool: luigi.BoolParameter,
@@ -87,3 +89,16 @@ def _unparsable(section: str, error: ValueError) -> SettingsError:
     if given is None:
         given = luigi.configuration.get_config().get(section, name, None)
     return SettingsError(f"setting [{section}] {name} = {given!r}: must be {KINDS.get(type(parameter), 'valid')}")
+
+
+class EvalSpecParameter(luigi.Parameter):
+    """An evaluation as one parameter: the JSON of its fields; empty for a training step."""
+
+    def parse(self, text: str) -> EvalSpec | None:
+        return EvalSpec(**json.loads(text)) if text else None
+
+    def serialize(self, spec: EvalSpec | None) -> str:
+        return json.dumps(asdict(spec), sort_keys=True) if spec is not None else ""
+
+    def normalize(self, value):
+        return self.parse(value) if isinstance(value, str) else value

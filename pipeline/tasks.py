@@ -1,40 +1,32 @@
-"""Rollout, training and evaluation stages as Luigi tasks. Each run() reads its inputs, calls one stage
-function of retool.stages and writes its output atomically; the rules live in retool/."""
+"""The pipeline's stages as Luigi tasks: each says what it needs (`requires()`: every file its job reads) and
+what it makes (`output()`), and its `run()` passes those paths to its job in `jobs/`, where the work is done."""
 
 from __future__ import annotations
 
-import functools
-import json
-from dataclasses import asdict
 from pathlib import Path
 
 import luigi
 
-from pipeline.config import current_settings
+from jobs.before_after import before_after
+from jobs.build_datums import build_datums
+from jobs.cold_start import cold_start
+from jobs.evaluate import evaluate
+from jobs.execute_round import execute_round
+from jobs.prompts import prompts
+from jobs.report import report
+from jobs.sample_round import sample_round
+from jobs.score_trajectories import score_trajectories
+from jobs.sft_examples import sft_examples
+from jobs.train_step import train_step
+from pipeline.config import EvalSpecParameter, current_settings
+from pipeline.inputs import checkpoint_of, path, round_paths
 from pipeline.outcome import note_end, note_failure, note_start, watch_if_named_on_the_command_line
 from retool.evaluation.metrics import record_stage_seconds
-from retool.evaluation.report import make_report
-from retool.evaluation.scores import EVAL_MODES, describe_eval
+from retool.evaluation.scores import EVAL_MODES
 from retool.evaluation.spec import EvalSpec
 from retool.files.layout import REPORT
-from retool.files.tables import SAMPLES, TRAJECTORIES, parquet_seconds, read_table, write_table_atomically
+from retool.files.tables import parquet_seconds
 from retool.run.context import RunContext, context_for, open_run
-from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memory
-from retool.stages.rollout import (
-    datums_table,
-    describe_datums,
-    describe_observations,
-    describe_prompts,
-    describe_samples,
-    describe_trajectories,
-    execute_round,
-    prompts_table,
-    sample_round,
-    score_step,
-)
-from retool.stages.summary import before_after_stage, evaluate_stage, metrics_stage, training_sources
-from retool.stages.training import cold_start_stage, describe_metrics, sft_examples_stage, train_stage
-from retool.training.cold_start import describe_cold_start, losses_table
 from retool.weights.checkpoint import Checkpoint
 
 
@@ -62,14 +54,22 @@ class RunTask(luigi.Task):
         return -shard if shard is not None else -(2**16)
 
     def complete(self) -> bool:
-        """Complete only when the output exists and every input of the same step and namespace is
-        complete too, so deleting one stage's output re-runs it and everything downstream. Other
-        steps (the policy) count by their own output: no walk back through every earlier step."""
-        folder = self.context.folder
-        return super().complete() and all(
-            t.complete() if t.context.folder == folder else all(o.exists() for o in luigi.task.flatten(t.output()))
-            for t in luigi.task.flatten(self.requires())
-        )
+        """Complete only when the output exists and so does every input's of the same step and namespace, however
+        far upstream, so deleting one stage's output re-runs it and everything downstream. Other steps (the
+        policy) count by their own output: no walk back through every earlier step. Each task is visited once."""
+        if not super().complete():
+            return False
+        folder, seen, waiting = self.context.folder, set(), luigi.task.flatten(self.requires())
+        while waiting:
+            task = waiting.pop()
+            if task.task_id in seen:
+                continue
+            seen.add(task.task_id)
+            if not all(output.exists() for output in luigi.task.flatten(task.output())):
+                return False
+            if task.context.folder == folder:
+                waiting += luigi.task.flatten(task.requires())
+        return True
 
     def label(self) -> str:
         """The task as users name it: its parameters, an evaluation by its folder, unset ones left out."""
@@ -83,19 +83,35 @@ class RunTask(luigi.Task):
     def target(self, path) -> luigi.LocalTarget:
         return luigi.LocalTarget(str(path))
 
-    def policy_task(self) -> list[luigi.Task]:
-        """The task that makes the checkpoint this task's rollout samples from (none for the model setting)."""
+    def policy(self) -> dict[str, luigi.Task]:
+        """{"policy": the task that makes the checkpoint this task's rollout samples from}; {} for the model
+        setting."""
         checkpoint = self.context.policy_checkpoint
         if checkpoint is None:
-            return []
+            return {}
         if checkpoint.path == self.context.run_folder.sft.checkpoint:
-            return [ColdStart()]
+            return {"policy": ColdStart()}
         evaluating = self.context.evaluation is not None  # an evaluation scores checkpoint `step` itself
-        return [TrainStep(step=self.step if evaluating else self.step - 1)]
+        return {"policy": TrainStep(step=self.step if evaluating else self.step - 1), **self.rl_base()}
 
-    def write(self, table, describe) -> None:
-        write_table_atomically(table, self.output().path)  # replaces a stale output in one rename
-        self.summary = describe(table)
+    def rl_base(self) -> dict[str, luigi.Task]:
+        """{"rl_base": the cold start} when RL starts from its weights, which a LoRA checkpoint applies to."""
+        return {"rl_base": ColdStart()} if self.context.run.cold_start.data else {}
+
+    def rounds(self, shard: int, count: int) -> list[dict[str, luigi.Task]]:
+        """The first `count` rounds of one shard: the stages whose files rebuild its trajectories."""
+        return [
+            {
+                "samples": self.clone(SampleRound, shard=shard, round=r),
+                "observations": self.clone(ExecuteRound, shard=shard, round=r),
+            }
+            for r in range(count)
+        ]
+
+    def all_rounds(self) -> list[list[dict[str, luigi.Task]]]:
+        """Every round of every shard of the step."""
+        rollout = self.context.settings.rollout
+        return [self.rounds(shard, rollout.max_assistant_turns) for shard in range(rollout.shards)]
 
 
 @RunTask.event_handler(luigi.Event.START)
@@ -126,19 +142,6 @@ def _report_stage(task: RunTask, seconds: float) -> None:
     print(f"{task.label()}: {getattr(task, 'summary', '')}, {seconds:.1f} s -> {where}", flush=True)
 
 
-class EvalSpecParameter(luigi.Parameter):
-    """An evaluation as one parameter: the JSON of its fields; empty for a training step."""
-
-    def parse(self, text: str) -> EvalSpec | None:
-        return EvalSpec(**json.loads(text)) if text else None
-
-    def serialize(self, spec: EvalSpec | None) -> str:
-        return json.dumps(asdict(spec), sort_keys=True) if spec is not None else ""
-
-    def normalize(self, value):
-        return self.parse(value) if isinstance(value, str) else value
-
-
 class RolloutTask(RunTask):
     """A rollout stage of a training step, or (with `evaluation` set) of the evaluation of checkpoint `step`
     in its own folder under runs/<run>/eval/."""
@@ -154,7 +157,7 @@ class Prompts(RolloutTask):
         return self.target(self.context.folder.prompts)
 
     def run(self):
-        self.write(prompts_table(self.context.examples(), self.context.protocol, self.step), describe_prompts)
+        self.summary = prompts(path(self.output()), self.context.run, self.step, self.evaluation)
 
 
 class SampleRound(RolloutTask):
@@ -162,21 +165,17 @@ class SampleRound(RolloutTask):
     shard = luigi.IntParameter(default=0, description="shard of the questions, from 0 ([rollout] shards)")
 
     def requires(self):
-        state = self.clone(Prompts) if self.round == 0 else self.clone(ExecuteRound, round=self.round - 1)
-        return [state] + self.policy_task()
+        return {"prompts": self.clone(Prompts), "rounds": self.rounds(self.shard, self.round), **self.policy()}
 
     def output(self):
         return self.target(self.context.folder.samples(self.shard, self.round))
 
     def run(self):
-        context = self.context
-        trajectories = context.trajectories(self.shard, self.round)
-        self.set_status_message(f"sampling for {sum(not t.done for t in trajectories)} live trajectories")
-        rollout = context.settings.rollout
-        sampler = functools.partial(context.sampler, self.shard)  # loaded only when there is something to sample
-        self.write(
-            sample_round(trajectories, sampler, context.protocol, rollout, self.step, self.round), describe_samples
-        )
+        inputs, run = self.input(), self.context.run
+        self.summary = sample_round(
+            path(inputs["prompts"]), round_paths(inputs["rounds"]), checkpoint_of(inputs), path(self.output()),
+            run, self.step, self.shard, self.round, self.evaluation, self.set_status_message,
+        )  # fmt: skip
 
 
 class ExecuteRound(RolloutTask):
@@ -184,53 +183,57 @@ class ExecuteRound(RolloutTask):
     shard = luigi.IntParameter(default=0, description="shard of the questions, from 0 ([rollout] shards)")
 
     def requires(self):
-        return self.clone(SampleRound)
+        rounds = self.rounds(self.shard, self.round)
+        return {"prompts": self.clone(Prompts), "rounds": rounds, "samples": self.clone(SampleRound)}
 
     def output(self):
         return self.target(self.context.folder.observations(self.shard, self.round))
 
     def run(self):
-        context = self.context
-        trajectories = context.trajectories(self.shard, self.round)
-        samples = read_table(self.input().path, SAMPLES)
-        self.set_status_message(f"running the tool calls of {samples.num_rows} turns")
-        rollout = context.settings.rollout
-        observations = execute_round(
-            trajectories, samples, context.sandbox, context.protocol, rollout, self.step, self.round
-        )
-        self.write(observations, describe_observations)
+        inputs, run = self.input(), self.context.run
+        self.summary = execute_round(
+            path(inputs["prompts"]), round_paths(inputs["rounds"]), path(inputs["samples"]), path(self.output()),
+            run, self.step, self.shard, self.round, self.evaluation, self.set_status_message,
+        )  # fmt: skip
 
 
 class ScoreTrajectories(RolloutTask):
     def requires(self):
-        rollout = self.context.settings.rollout
-        last_round = rollout.max_assistant_turns - 1
-        return [self.clone(ExecuteRound, round=last_round, shard=shard) for shard in range(rollout.shards)]
+        return {"prompts": self.clone(Prompts), "shards": self.all_rounds()}
 
     def output(self):
         return self.target(self.context.folder.trajectories)
 
     def run(self):
-        context = self.context
-        scored = score_step(context.all_trajectories(), self.step, context.settings.data.keep_limit)
-        self.write(scored, describe_trajectories)
+        inputs = self.input()
+        shards = [round_paths(rounds) for rounds in inputs["shards"]]
+        self.summary = score_trajectories(
+            path(inputs["prompts"]), shards, path(self.output()), self.context.run, self.step, self.evaluation
+        )
 
 
 class BuildDatums(RunTask):
     def requires(self):
-        return self.clone(ScoreTrajectories)
+        return {
+            "prompts": self.clone(Prompts),
+            "shards": self.all_rounds(),
+            "trajectories": self.clone(ScoreTrajectories),
+        }
 
     def output(self):
         return self.target(self.context.folder.datums)
 
     def run(self):
-        scored = read_table(self.input().path, TRAJECTORIES)
-        context = self.context
-        trainer_max_tokens = context.settings.rollout.trainer_max_tokens
-        self.write(datums_table(context.all_trajectories(), scored, self.step, trainer_max_tokens), describe_datums)
-
-
-ROLLOUT_STAGES = (Prompts, SampleRound, ExecuteRound, ScoreTrajectories, BuildDatums)  # timed in a step's metrics
+        inputs = self.input()
+        shards = [round_paths(rounds) for rounds in inputs["shards"]]
+        self.summary = build_datums(
+            path(inputs["prompts"]),
+            shards,
+            path(inputs["trajectories"]),
+            path(self.output()),
+            self.context.run,
+            self.step,
+        )
 
 
 class TrainStep(RunTask):
@@ -238,8 +241,9 @@ class TrainStep(RunTask):
     Also writes the step's metrics.parquet and prints them as one line."""
 
     def requires(self):
-        policy = {"policy": task for task in self.policy_task()}
-        return {"datums": self.clone(BuildDatums), "trajectories": self.clone(ScoreTrajectories), **policy}
+        observations = [r["observations"] for rounds in self.all_rounds() for r in rounds]
+        step = {"datums": self.clone(BuildDatums), "trajectories": self.clone(ScoreTrajectories)}
+        return {**step, "observations": observations, **self.policy()}
 
     def output(self):
         """The checkpoint's marker and the step's metrics: a run killed between the two trains the
@@ -249,17 +253,13 @@ class TrainStep(RunTask):
 
     def run(self):
         self.set_status_message("training one PPO step")
-        context, inputs = self.context, self.input()
-        previous = Path(inputs["policy"]["checkpoint"].path).parent if self.step > 0 else None  # step 0: the RL base
-        release_sampler_memory(context.run)  # the sampler sleeps while the step trains on the GPU
-        datums, trajectories = inputs["datums"].path, inputs["trajectories"].path
-        training = train_stage(context.run, self.step, datums, trajectories, previous, context.folder.checkpoint)
-        reclaim_sampler_memory(context.run)
-        stages = [stage.__name__ for stage in ROLLOUT_STAGES]
-        metrics = metrics_stage(
-            context.folder, context.tracker, self.step, training, context.sandbox, stages, self.task_family
-        )
-        self.summary = f"{describe_metrics(training)}\n  {metrics}"
+        inputs, outputs = self.input(), self.output()
+        previous = checkpoint_of(inputs) if self.step > 0 else None  # step 0 trains the RL base (the cold start's)
+        self.summary = train_step(
+            path(inputs["datums"]), path(inputs["trajectories"]), [path(t) for t in inputs["observations"]],
+            previous, path(outputs["checkpoint"]).parent, path(outputs["metrics"]),
+            self.context.folder.timings, self.context.run, self.step,
+        )  # fmt: skip
 
 
 class ColdStartTask(RunTask):
@@ -278,9 +278,7 @@ class SFTExamples(ColdStartTask):
         return self.target(self.context.folder.sft_examples)
 
     def run(self):
-        table, skipped = sft_examples_stage(self.context.run, self.context.protocol)
-        self.write(table, functools.partial(describe_datums, kind="SFT examples"))
-        self.summary += f" ({skipped} conversations over the budgets or turn limits, left out)" if skipped else ""
+        self.summary = sft_examples(path(self.output()), self.context.run)
 
 
 class ColdStart(ColdStartTask):
@@ -288,7 +286,7 @@ class ColdStart(ColdStartTask):
     starts from) and the loss of every step in sft/losses.parquet. Resumes from sft/progress/."""
 
     def requires(self):
-        return SFTExamples()
+        return {"examples": SFTExamples()}
 
     def output(self):
         folder = self.context.folder
@@ -298,12 +296,11 @@ class ColdStart(ColdStartTask):
         }
 
     def run(self):
-        folder, run = self.context.folder, self.context.run
-        release_sampler_memory(run)  # an engine left awake (the base model's evaluation) sleeps while SFT trains
-        losses = cold_start_stage(run, self.input().path, folder.checkpoint, folder.sft_progress, self.report_progress)
-        reclaim_sampler_memory(run)
-        write_table_atomically(losses_table(losses), self.output()["losses"].path)
-        self.summary = describe_cold_start(losses)
+        outputs, progress = self.output(), self.context.folder.sft_progress  # progress: its own resume point
+        self.summary = cold_start(
+            path(self.input()["examples"]), path(outputs["checkpoint"]).parent, path(outputs["losses"]), progress,
+            self.context.run, self.report_progress,
+        )  # fmt: skip
 
     def report_progress(self, row: dict) -> None:
         steps = self.context.run.cold_start.steps
@@ -345,10 +342,7 @@ class Evaluate(EvaluationTask):
         return self.target(self.context.folder.summary)
 
     def run(self):
-        trajectories = read_table(self.input().path, TRAJECTORIES)
-        context = self.context
-        summary = evaluate_stage(trajectories, context.evaluation, self.step, self.output().path, context.tracker)
-        self.summary = f"{self.eval_mode} on {self.dataset}: {describe_eval(summary)}"
+        self.summary = evaluate(path(self.input()), path(self.output()), self.context.run, self.spec(), self.step)
 
 
 class Report(RunTask):
@@ -356,7 +350,7 @@ class Report(RunTask):
     their checkpoints, under runs/<run>/report/step=NNNN/ (`python -m retool report runs/NAME` by hand, of all)."""
 
     def requires(self):
-        return TrainStep(step=self.step)
+        return {"steps": [TrainStep(step=step) for step in range(self.step + 1)]}
 
     def output(self):
         return self.target(self.context.run_folder.report(self.step) / REPORT)
@@ -367,8 +361,7 @@ class Report(RunTask):
         return report.exists() and not self.context.run_folder.changed_since(report, self.step)
 
     def run(self):
-        self.summary = f"plots and summary of {self.step + 1} steps"
-        make_report(self.context.run.run_dir, self.context.run_folder.report(self.step), self.step)
+        self.summary = report(path(self.output()).parent, self.context.run, self.step)
 
 
 class BeforeAfter(EvaluationTask):
@@ -385,15 +378,16 @@ class BeforeAfter(EvaluationTask):
         return [(label, self.clone(Evaluate, step=step, sft=sft)) for label, step, sft in policies]
 
     def requires(self):
-        return [task for _, task in self.evaluations()]
+        evaluations = [task for _, task in self.evaluations()]
+        trajectories = [task.clone(ScoreTrajectories, evaluation=task.spec()) for task in evaluations]
+        steps = [TrainStep(step=step) for step in range(self.step + 1)]  # the report's
+        return {"evaluations": evaluations, "trajectories": trajectories, "steps": steps}
 
     def output(self):
         return self.target(self.context.run_folder.before_after(self.spec().name, self.step))
 
     def run(self):
-        evaluations = [(label, task.context.folder) for label, task in self.evaluations()]
-        run_folder = self.context.run_folder
-        trained = training_sources(self.context.run)
-        self.summary = "\n" + before_after_stage(
-            run_folder.path, evaluations, trained, self.output().path, run_folder.report(self.step), self.step
-        )
+        labels = [label for label, _ in self.evaluations()]
+        evaluations = list(zip(labels, map(path, self.input()["trajectories"]), strict=True))
+        out, report_folder = path(self.output()), self.context.run_folder.report(self.step)
+        self.summary = before_after(evaluations, self.n, out, report_folder, self.context.run, self.step)

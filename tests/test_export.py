@@ -11,8 +11,10 @@ import pytest
 
 import pipeline.tasks
 from retool.data.conversations import read_conversations
+from retool.files.layout import RunFolder
 from retool.files.tables import SFT_EXAMPLES, TRAJECTORIES, read_table
-from retool.run.context import context_for
+from retool.rollout.replay import replay_shards
+from retool.run.context import protocol_for
 from retool.run.setup import freeze
 from tests.conftest import REPO
 from tests.pipeline_helpers import build, tool_policy
@@ -36,7 +38,9 @@ def test_exported_rollouts_render_to_the_sampled_tokens_through_sft_examples(con
     for step in (0, 1):
         scores = read_table(settings.run_dir / f"step={step:04d}" / "trajectories.parquet", TRAJECTORIES).to_pylist()
         correct = {(row["question_index"], row["group_index"]) for row in scores if row["correct"]}
-        for trajectory in context_for(settings, step).all_trajectories():
+        folder, rollout = RunFolder(settings.run_dir).step(step), settings.rollout
+        rounds = [folder.rounds(shard, rollout.max_assistant_turns) for shard in range(rollout.shards)]
+        for trajectory in replay_shards(folder.prompts, rounds, protocol_for(settings.model), rollout):
             if (trajectory.question_index, trajectory.group_index) in correct:
                 sampled[f"{trajectory.example.id}@step{step}.{trajectory.group_index}"] = trajectory.token_ids()
     conversations = read_conversations(out)

@@ -16,10 +16,10 @@ import pipeline.tasks
 import retool.sampling.engines
 from retool.evaluation.metrics import stage_timings
 from retool.files.tables import OBSERVATIONS, SAMPLES, SFT_LOSSES, TRAJECTORIES, read_table, table_from_rows
+from retool.rollout.stage_tables import observation_row, trajectories_table
 from retool.rollout.state import rollout_in_memory
 from retool.run.context import protocol_for, sandbox_for
 from retool.sampling.scripted import ScriptedSampler
-from retool.stages.rollout import observation_row, trajectories_table
 from tests.helpers import scripted
 from tests.pipeline_helpers import TRAIN, batch, build, build_train, step_dir, tool_policy
 
@@ -362,6 +362,7 @@ def test_task_help_does_not_import_torch():
 
 
 def test_a_sampler_that_does_not_serve_the_policy_fails_the_step_before_saving(configure, monkeypatch):
+    from jobs.train_step import train_step
     from retool.training.step import PolicySyncError
 
     settings = configure("out-of-sync", trainer={**TRAIN, "max_sampler_gap": 1e-3})  # scripted logprobs are made up
@@ -369,10 +370,11 @@ def test_a_sampler_that_does_not_serve_the_policy_fails_the_step_before_saving(c
     assert not (step_dir(settings, 0) / "checkpoint").exists()
     with pytest.raises(PolicySyncError, match="the sampler does not serve the trained policy"):
         folder = step_dir(settings, 0)
-        checkpoint = folder / "checkpoint"
-        pipeline.tasks.train_stage(
-            settings, 0, folder / "datums.parquet", folder / "trajectories.parquet", None, checkpoint
-        )
+        observations = sorted(folder.glob("shard=*/round=*/observations.parquet"))
+        train_step(
+            folder / "datums.parquet", folder / "trajectories.parquet", observations, None, folder / "checkpoint",
+            folder / "metrics.parquet", folder / "_timings", settings, 0,
+        )  # fmt: skip
 
 
 def test_one_worker_runs_a_shard_s_rounds_before_the_next_shard_s(configure, monkeypatch):

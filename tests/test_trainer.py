@@ -17,7 +17,7 @@ from retool.rollout.datums import Datum, datums_from_table
 from retool.training.checkpoints import prune_checkpoints, save_checkpoint
 from retool.training.losses import token_logprobs
 from retool.training.packing import loss_token_weights, pack_micro_batches
-from retool.training.step import accumulate_gradients, load_policy, train_step
+from retool.training.step import StepInputs, accumulate_gradients, load_policy, train_step
 
 CONFIG = TrainerConfig(
     lora_rank=8, lora_alpha=16, learning_rate=5e-3, gradient_checkpointing=False, autocast_bfloat16="false"
@@ -228,36 +228,14 @@ def test_two_processes_give_the_same_parameters_as_one(tiny_model_dir, tmp_path)
     ]
     rows = [{"step": 0, **{k: v for k, v in asdict(d).items()}, "num_tokens": d.num_tokens} for d in datums]
     write_table_atomically(table_from_rows(rows, DATUMS), tmp_path / "datums.parquet")
-    (tmp_path / "config.json").write_text(json.dumps(asdict(replace(CONFIG, micro_batch_items=1))))
-    common = [
-        "-m",
-        "retool.cli.train",
-        "--base-model",
-        str(tiny_model_dir),
-        "--datums",
-        str(tmp_path / "datums.parquet"),
-        "--trajectories",
-        "6",
-        "--config",
-        str(tmp_path / "config.json"),
-    ]
-    subprocess.run([sys.executable, *common, "--out", str(tmp_path / "one")], check=True, capture_output=True)
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            "29517",
-            *common,
-            "--out",
-            str(tmp_path / "two"),
-        ],
-        check=True,
-        capture_output=True,
-    )
+    config = replace(CONFIG, micro_batch_items=1)
+    for name in ("one", "two"):
+        inputs = StepInputs(tiny_model_dir, tmp_path / "datums.parquet", 6, 0, None, tmp_path / name, config)
+        (tmp_path / f"{name}.json").write_text(inputs.to_json())
+    worker = ["-m", "jobs.train_step", "--inputs"]
+    subprocess.run([sys.executable, *worker, str(tmp_path / "one.json")], check=True, capture_output=True)
+    torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517"]
+    subprocess.run([sys.executable, *torchrun, *worker, str(tmp_path / "two.json")], check=True, capture_output=True)
     one, two = (load_file(tmp_path / name / "adapter" / "adapter_model.safetensors") for name in ("one", "two"))
     assert one.keys() == two.keys()
     for name in one:  # equal up to the order of float sums, which Adam magnifies where a gradient is near 0 (lr 5e-3)

@@ -1,5 +1,5 @@
 """Per-step metrics: one row gathered from the files of a training step, written to
-step=NNNN/metrics.parquet, printed as one line, and optionally exported to TensorBoard."""
+step=NNNN/metrics.parquet, printed as one line, and logged to the run's tracker."""
 
 from __future__ import annotations
 
@@ -13,6 +13,11 @@ import pyarrow as pa
 from retool.files.atomic import write_text_atomically
 from retool.rollout.state import STOP_REASONS, zero_variance_groups
 from retool.training.record import StepMetrics
+
+# The stages of a training step, by the names their wall times are recorded under (the pipeline's tasks):
+# every step's metrics has a seconds_<stage> column for each, 0 for a stage that did not run in that command.
+ROLLOUT_STAGES = ("Prompts", "SampleRound", "ExecuteRound", "ScoreTrajectories", "BuildDatums")
+TRAINING_STAGE = "TrainStep"
 
 
 def record_stage_seconds(timings: Path, task_id: str, stage: str, seconds: float, parquet_seconds: float) -> None:
@@ -77,10 +82,6 @@ def step_metrics(
     metrics["train_skipped"] = bool(training.skipped)
     metrics.update({f"seconds_{stage}": stage_time for stage, stage_time in seconds.items()})
     return metrics
-
-
-def metrics_table(metrics: dict) -> pa.Table:
-    return pa.Table.from_pylist([metrics])
 
 
 def describe_step(metrics: dict) -> str:

@@ -40,6 +40,12 @@ def _step_of(path: Path) -> int:
 
 
 @dataclass(frozen=True)
+class RoundPaths:
+    samples: Path  # a round's samples.parquet
+    observations: Path  # its observations.parquet
+
+
+@dataclass(frozen=True)
 class StepFolder:
     """The files of one step: a training step, an evaluation of one checkpoint, or the cold start."""
 
@@ -53,6 +59,10 @@ class StepFolder:
 
     def observations(self, shard: int, round_index: int) -> Path:
         return self.round(shard, round_index) / OBSERVATIONS
+
+    def rounds(self, shard: int, count: int) -> list[RoundPaths]:
+        """The first `count` rounds of one shard."""
+        return [RoundPaths(self.samples(shard, r), self.observations(shard, r)) for r in range(count)]
 
     def all_observations(self) -> list[Path]:
         return sorted(self.path.glob(f"{ROUNDS}/{OBSERVATIONS}"))

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 
 from retool.config.rollout import RolloutConfig
 from retool.data.examples import MathExample
+from retool.files.layout import RoundPaths
+from retool.files.tables import OBSERVATIONS, PROMPTS, SAMPLES, read_table
 from retool.protocol.chat import ChatProtocol
 from retool.rollout.state import AssistantTurn, ToolCall, Trajectory, start_trajectories
 
@@ -76,3 +79,18 @@ def _restore_observation(trajectory: Trajectory, row: dict, protocol: ChatProtoc
     trajectory.next_prompt_tokens = row["next_prompt_tokens"]
     if row["done"]:
         trajectory.done, trajectory.stop_reason, trajectory.final_text = True, row["stop_reason"], row["final_text"]
+
+
+def replay_files(
+    prompts: Path, rounds: Sequence[RoundPaths], protocol: ChatProtocol, config: RolloutConfig, shard: int = 0
+) -> list[Trajectory]:
+    """`replay` of the files at these paths: a shard's prompts and its first rounds, in order."""
+    tables = [RoundFiles(read_table(r.samples, SAMPLES), read_table(r.observations, OBSERVATIONS)) for r in rounds]
+    return replay(read_table(prompts, PROMPTS), tables, protocol, config, shard)
+
+
+def replay_shards(
+    prompts: Path, shards: Sequence[Sequence[RoundPaths]], protocol: ChatProtocol, config: RolloutConfig
+) -> list[Trajectory]:
+    """Every shard's trajectories after all of its rounds (`shards[s]`: shard s's rounds, in order)."""
+    return [t for shard, rounds in enumerate(shards) for t in replay_files(prompts, rounds, protocol, config, shard)]

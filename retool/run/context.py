@@ -1,6 +1,7 @@
-"""What a stage runs with: one RunContext per task (its settings, folder, policy, protocol, sandbox and
-sampler), and `open_run`, the set-up done once per run before any stage (and before Luigi forks
-worker processes, which then share the tokenizer and the sandbox's pre-warmed servers)."""
+"""Where a stage of a run reads and writes: one RunContext per task (its settings, its folder, the checkpoint
+it samples from); the per-process caches every job shares (protocol, sandbox); and `open_run`, the set-up done
+once per run before any stage (and before Luigi forks worker processes, which then share the tokenizer and
+the sandbox's pre-warmed servers)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,7 @@ from retool.data.examples import MathExample, shuffled, take_batch
 from retool.evaluation.spec import EvalSpec, _examples, rollout_settings
 from retool.evaluation.tracking import Tracker, check_tracker
 from retool.files.layout import RunFolder, StepFolder
-from retool.files.tables import OBSERVATIONS, PROMPTS, SAMPLES, read_table
 from retool.protocol.chat import ChatProtocol, load_tokenizer
-from retool.rollout.replay import RoundFiles, replay
-from retool.rollout.state import Trajectory
 from retool.run.setup import (
     bfloat16_warning,
     check_machine,
@@ -28,8 +26,6 @@ from retool.run.setup import (
     precision_line,
     workers_warning,
 )
-from retool.sampling import engines
-from retool.sampling.contract import Sampler
 from retool.sampling.server import server_urls
 from retool.sandbox.call import Sandbox
 from retool.weights.checkpoint import Checkpoint, Policy
@@ -109,49 +105,6 @@ class RunContext:
         wants_sft = self.evaluation.sft if self.evaluation is not None else bool(self.run.cold_start.data)
         return Checkpoint(self.run_folder.sft.checkpoint) if wants_sft else None
 
-    @property
-    def policy(self) -> Policy | None:
-        checkpoint = self.policy_checkpoint
-        return checkpoint.policy(rl_base_model(self.run)) if checkpoint is not None else None
-
-    @property
-    def protocol(self) -> ChatProtocol:
-        return protocol_for(self.settings.model)
-
-    @property
-    def tracker(self) -> Tracker:
-        return Tracker(self.run.run.tracker, self.run_folder, self.run.run.name)
-
-    @property
-    def sandbox(self) -> Sandbox:
-        return sandbox_for(self.settings.sandbox)
-
-    def examples(self) -> list[MathExample]:
-        return step_examples(self.run, self.step, self.evaluation)
-
-    def sampler(self, shard: int = 0) -> Sampler:
-        """The engine this process samples the shard with, switched to this task's policy; loaded on first use."""
-        return engines.sampler_for(self.run, self.policy, shard)
-
-    def round_files(self, shard: int, rounds: int) -> list[RoundFiles]:
-        """The samples and observations of the first `rounds` rounds of one shard."""
-        return [
-            RoundFiles(
-                read_table(self.folder.samples(shard, r), SAMPLES),
-                read_table(self.folder.observations(shard, r), OBSERVATIONS),
-            )
-            for r in range(rounds)
-        ]
-
-    def trajectories(self, shard: int, rounds: int) -> list[Trajectory]:
-        """The shard's trajectories after `rounds` complete rounds, rebuilt from the files."""
-        prompts = read_table(self.folder.prompts, PROMPTS)
-        return replay(prompts, self.round_files(shard, rounds), self.protocol, self.settings.rollout, shard)
-
-    def all_trajectories(self) -> list[Trajectory]:
-        rollout = self.settings.rollout
-        return [t for shard in range(rollout.shards) for t in self.trajectories(shard, rollout.max_assistant_turns)]
-
 
 @lru_cache(maxsize=256)
 def context_for(
@@ -159,6 +112,11 @@ def context_for(
 ) -> RunContext:
     """A task's context; tasks ask for it often, so each is built once."""
     return RunContext(run, step, evaluation, cold_start)
+
+
+def policy_of(settings: RunSettings, checkpoint: Path | None) -> Policy | None:
+    """The policy of a checkpoint folder of the run (None: the model setting)."""
+    return Checkpoint(checkpoint).policy(rl_base_model(settings)) if checkpoint is not None else None
 
 
 def rl_base_model(settings: RunSettings) -> Path:

@@ -27,3 +27,17 @@ class StepMetrics:
     seconds: float
     tokens_per_second: float
     skipped: bool  # no datum: no optimizer step was taken
+
+
+def describe_metrics(metrics: StepMetrics) -> str:
+    """The update's line in the log."""
+    if metrics.skipped:
+        return f"no datums ({metrics.zero_variance_groups} groups, all with equal rewards): update skipped"
+    return (
+        f"{metrics.datums} datums ({metrics.zero_variance_groups} zero-variance groups), {metrics.loss_tokens} loss "
+        f"tokens, {metrics.micro_batches} micro-batches "
+        f"({metrics.padded_tokens / max(metrics.tokens, 1):.2f} padded/real), loss {metrics.loss:+.4f}, grad norm "
+        f"{metrics.grad_norm:.3f}, "
+        f"clip {metrics.clip_fraction:.3f}, sampler gap {metrics.logprob_gap:.2e}, {metrics.tokens_per_second:.0f} "
+        "tokens/s"
+    )

@@ -2,7 +2,7 @@
 fine-tune), the clipped loss on sampled tokens (or the negative log-likelihood), gradient
 accumulation over micro-batches, data parallel over torch.distributed, checkpoints.
 
-`torchrun --nproc-per-node K -m retool.cli.train ...` trains one step on K processes (gloo on CPU, NCCL on
+`torchrun --nproc-per-node K -m jobs.train_step --inputs FILE` trains one step on K processes (gloo on CPU, NCCL on
 GPU); each process takes every K-th micro-batch and gradients are summed before the optimizer step.
 """
 
@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from retool.config.trainer import TrainerConfig, resolved_autocast, resolved_dtype
-from retool.rollout.datums import Datum
+from retool.files.tables import DATUMS, read_table
+from retool.rollout.datums import Datum, datums_from_table
 from retool.training.checkpoints import restore_rng, save_checkpoint
 from retool.training.losses import token_logprobs, token_loss
 from retool.training.memory_plan import check_plan, model_shape, plan_step
@@ -292,25 +294,44 @@ def check_memory(base_model: Path, config: TrainerConfig, device: str) -> None:
         check_plan(plan, torch.cuda.mem_get_info()[0])
 
 
-def train_from_files(
-    base_model: Path,
-    datums: list[Datum],
-    num_trajectories: int,
-    previous: Path | None,
-    out: Path,
-    config: TrainerConfig,
-    device: str = "cpu",
-    zero_variance_groups: int = 0,
-) -> StepMetrics:
-    if previous is None:
+@dataclass(frozen=True)
+class StepInputs:
+    """What one PPO step trains from and where it writes: the in-process call and every torchrun process read it."""
+
+    base_model: Path  # the weights RL starts from, which LoRA adapters apply to
+    datums: Path  # the step's datums.parquet
+    num_trajectories: int  # trajectories of the groups that train (sample_mean's denominator)
+    zero_variance_groups: int  # groups of equal rewards, recorded in the metrics
+    previous: Path | None  # the checkpoint of the step before (None: the base model)
+    out: Path  # the checkpoint this step writes
+    config: TrainerConfig  # the [trainer] section for the device, `auto` resolved
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> StepInputs:
+        fields = json.loads(text)
+        names = ("base_model", "datums", "previous", "out")
+        paths = {name: Path(fields[name]) if fields[name] else None for name in names}
+        return cls(**{**fields, **paths, "config": TrainerConfig(**fields["config"])})
+
+
+def train_from_files(inputs: StepInputs, device: str = "cpu") -> StepMetrics:
+    """One PPO step from the datums file into a checkpoint, after the policy-sync check (see check_policy_sync)."""
+    config, base_model = inputs.config, inputs.base_model
+    if inputs.previous is None:
         set_seed(config.seed)
     check_memory(base_model, config, device)
-    model, optimizer = load_policy(base_model, previous, config, device)
+    datums = datums_from_table(read_table(inputs.datums, DATUMS))
+    model, optimizer = load_policy(base_model, inputs.previous, config, device)
     try:
-        metrics = train_step(model, optimizer, datums, config, num_trajectories, device, zero_variance_groups)
-        check_policy_sync(metrics, config, previous or base_model)
+        metrics = train_step(
+            model, optimizer, datums, config, inputs.num_trajectories, device, inputs.zero_variance_groups
+        )
+        check_policy_sync(metrics, config, inputs.previous or base_model)
         if _rank_and_world()[0] == 0:
-            save_checkpoint(out, model, optimizer, metrics, config, base_model)
+            save_checkpoint(inputs.out, model, optimizer, metrics, config, base_model)
     finally:
         del model, optimizer
         release_memory(device)

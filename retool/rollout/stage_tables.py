@@ -1,7 +1,6 @@
-"""The rollout as file-based stages: each function takes the tables earlier stages wrote and returns
-the table its stage writes. The state of a round is never stored separately: `replay` rebuilds it
-from the prompts and the rounds before it, and the rounds run the same steps as rollout_in_memory.
-"""
+"""The table each rollout stage writes, from the trajectories `replay` rebuilt from the files before it (the
+state of a round is never stored separately), by the same steps as rollout_in_memory; and the one-line
+summary of each table for the log."""
 
 from __future__ import annotations
 
@@ -45,7 +44,7 @@ def prompts_table(examples: Sequence[MathExample], protocol: ChatProtocol, step:
     return table_from_rows(rows, PROMPTS)
 
 
-def sample_round(
+def samples_table(
     trajectories: Sequence[Trajectory],
     get_sampler: Callable[[], Sampler],
     protocol: ChatProtocol,
@@ -104,7 +103,7 @@ def _replies_from_samples(
     return replies
 
 
-def execute_round(
+def observations_table(
     trajectories: Sequence[Trajectory],
     samples: pa.Table,
     sandbox,
@@ -148,7 +147,7 @@ def observation_row(trajectory: Trajectory, step: int, round_index: int) -> dict
     }
 
 
-def score_step(trajectories: Sequence[Trajectory], step: int, keep_limit: int | None = None) -> pa.Table:
+def scored_table(trajectories: Sequence[Trajectory], step: int, keep_limit: int | None = None) -> pa.Table:
     """ScoreTrajectories: every reward first, then advantages within each question's group, then which
     groups train (with a `keep_limit`, dynamic sampling: the first that many of mixed correctness)."""
     live = [t for t in trajectories if not t.done]

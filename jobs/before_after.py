@@ -1,0 +1,50 @@
+"""BeforeAfter: the before/after table of a run's evaluations of one data set (base model, cold start, the last
+RL checkpoint), in-family and held-out-family questions apart -> before-after table, then the run's report."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from retool.config.settings import RunSettings
+from retool.data.conversations import read_conversations
+from retool.data.examples import read_examples
+from retool.evaluation.report import make_report
+from retool.evaluation.scores import before_after_markdown, paired_difference, question_groups, summarize_eval
+from retool.files.atomic import write_text_atomically
+from retool.files.tables import TRAJECTORIES, read_table
+
+
+def training_sources(run: RunSettings) -> frozenset[str]:
+    """The data sources (a synthetic problem's family) of the run's training files: RL data and cold start."""
+    sources = {example.data_source for example in read_examples(run.data.train)}
+    if run.cold_start.data:
+        sources |= {conversation.data_source for conversation in read_conversations(run.cold_start.data)}
+    return frozenset(sources)
+
+
+def before_after(
+    evaluations: Sequence[tuple[str, Path]], n: int, out: Path, report: Path, run: RunSettings, step: int
+) -> str:
+    """`evaluations`: (label, trajectories.parquet) of each policy, the last the final one, compared with each earlier
+    one question by question; `n`: samples per question. Then the run's report of steps up to `step`, evaluations
+    included, under `report`. Returns the table."""
+    trajectories = {label: read_table(path, TRAJECTORIES) for label, path in evaluations}
+    (final, _), earlier = evaluations[-1], evaluations[:-1]
+    groups = []
+    for group, final_part in question_groups(trajectories[final], training_sources(run)).items():
+        ids = pa.array(sorted(set(final_part.column("example_id").to_pylist())))
+        parts = {
+            label: table.filter(pc.is_in(table.column("example_id"), value_set=ids))
+            for label, table in trajectories.items()
+        }
+        summaries = [(label, summarize_eval(parts[label], n)) for label, _ in evaluations]
+        differences = [(f"{final} - {label}", paired_difference(parts[label], parts[final])) for label, _ in earlier]
+        groups.append((group, summaries, differences))
+    table = before_after_markdown(groups)
+    write_text_atomically(out, table)
+    make_report(run.run_dir, report, step)
+    return "\n" + table

@@ -1,0 +1,39 @@
+"""ExecuteRound: one round's tool calls run in the sandbox, and the state of every trajectory that was live at
+the round's start -> observations.parquet."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from retool.config.settings import RunSettings
+from retool.evaluation.spec import EvalSpec, rollout_settings
+from retool.files.layout import RoundPaths
+from retool.files.tables import SAMPLES, read_table, write_table_atomically
+from retool.rollout.replay import replay_files
+from retool.rollout.stage_tables import describe_observations, observations_table
+from retool.run.context import protocol_for, sandbox_for
+
+
+def execute_round(
+    prompts: Path,
+    rounds: Sequence[RoundPaths],
+    samples: Path,
+    out: Path,
+    run: RunSettings,
+    step: int,
+    shard: int,
+    round_index: int,
+    evaluation: EvalSpec | None = None,
+    status: Callable[[str], None] = lambda message: None,  # the task's status line in the scheduler
+) -> str:
+    """`rounds`: the shard's rounds before this one; `samples`: this round's."""
+    settings = rollout_settings(run, evaluation)
+    protocol = protocol_for(settings.model)
+    trajectories = replay_files(prompts, rounds, protocol, settings.rollout, shard)
+    sampled = read_table(samples, SAMPLES)
+    status(f"running the tool calls of {sampled.num_rows} turns")
+    sandbox = sandbox_for(settings.sandbox)
+    table = observations_table(trajectories, sampled, sandbox, protocol, settings.rollout, step, round_index)
+    write_table_atomically(table, out)
+    return describe_observations(table)

@@ -1,0 +1,42 @@
+"""SampleRound: one round's assistant turns for every live trajectory of a shard -> samples.parquet."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from retool.config.settings import RunSettings
+from retool.evaluation.spec import EvalSpec, rollout_settings
+from retool.files.layout import RoundPaths
+from retool.files.tables import write_table_atomically
+from retool.rollout.replay import replay_files
+from retool.rollout.stage_tables import describe_samples, samples_table
+from retool.run.context import policy_of, protocol_for
+from retool.sampling import engines
+
+
+def sample_round(
+    prompts: Path,
+    rounds: Sequence[RoundPaths],
+    checkpoint: Path | None,
+    out: Path,
+    run: RunSettings,
+    step: int,
+    shard: int,
+    round_index: int,
+    evaluation: EvalSpec | None = None,
+    status: Callable[[str], None] = lambda message: None,  # the task's status line in the scheduler
+) -> str:
+    """`rounds`: the shard's rounds before this one; `checkpoint`: the policy to sample (None: the model setting)."""
+    settings = rollout_settings(run, evaluation)
+    protocol = protocol_for(settings.model)
+    # The state of each trajectory is rebuilt from the files, never stored: a re-run starts from what they say.
+    trajectories = replay_files(prompts, rounds, protocol, settings.rollout, shard)
+    status(f"sampling for {sum(not t.done for t in trajectories)} live trajectories")
+
+    def sampler():  # loaded, and switched to the policy, only when there is something to sample
+        return engines.sampler_for(run, policy_of(run, checkpoint), shard)
+
+    table = samples_table(trajectories, sampler, protocol, settings.rollout, step, round_index)
+    write_table_atomically(table, out)
+    return describe_samples(table)

@@ -1,0 +1,31 @@
+"""ScoreTrajectories: every trajectory of the step, scored, with its group's advantage and whether its group
+trains -> trajectories.parquet."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from retool.config.settings import RunSettings
+from retool.evaluation.spec import EvalSpec, rollout_settings
+from retool.files.layout import RoundPaths
+from retool.files.tables import write_table_atomically
+from retool.rollout.replay import replay_shards
+from retool.rollout.stage_tables import describe_trajectories, scored_table
+from retool.run.context import protocol_for
+
+
+def score_trajectories(
+    prompts: Path,
+    shards: Sequence[Sequence[RoundPaths]],
+    out: Path,
+    run: RunSettings,
+    step: int,
+    evaluation: EvalSpec | None = None,
+) -> str:
+    """`shards`: every round of every shard."""
+    settings = rollout_settings(run, evaluation)
+    trajectories = replay_shards(prompts, shards, protocol_for(settings.model), settings.rollout)
+    table = scored_table(trajectories, step, settings.data.keep_limit)
+    write_table_atomically(table, out)
+    return describe_trajectories(table)

@@ -1,0 +1,78 @@
+"""Each job reads only the files its task names in `requires()`: the Luigi graph is the data flow. Every stage of
+a finished run (cold start, two RL steps over two shards, the before/after evaluations and the report) is run
+again in a run folder that holds only its task's inputs, and writes what it wrote in the full run."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import luigi
+import pyarrow.parquet as pq
+
+import retool.sampling.engines
+from pipeline import BeforeAfter, Report
+from retool.weights.checkpoint import Checkpoint
+from tests.conftest import REPO
+from tests.pipeline_helpers import TRAIN, tool_policy
+
+TIMED = ("exec_seconds", "seconds", "tokens_per_second")  # columns that measure time: they differ between runs
+
+
+def graph(roots: list[luigi.Task]) -> list[luigi.Task]:
+    """Every task the roots need, the roots included, each once."""
+    seen, waiting = {}, list(roots)
+    while waiting:
+        task = waiting.pop()
+        if task.task_id not in seen:
+            seen[task.task_id] = task
+            waiting += luigi.task.flatten(task.requires())
+    return list(seen.values())
+
+
+def copy_inputs(inputs: list[Path], source: Path, destination: Path) -> None:
+    """Input files from one run folder to another; a checkpoint's marker brings its folder."""
+    for path in inputs:
+        if path.name == Checkpoint(path.parent).marker.name:
+            path = path.parent
+        into = destination / path.relative_to(source)
+        into.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_dir():
+            shutil.copytree(path, into, dirs_exist_ok=True)
+        else:
+            shutil.copy2(path, into)
+
+
+def without_timings(path: Path):
+    table = pq.read_table(path)
+    return table.drop_columns([c for c in table.column_names if any(t in c for t in TIMED)])
+
+
+def test_every_job_runs_with_only_the_files_its_task_requires(configure, monkeypatch, tmp_path):
+    sections = dict(
+        cold_start={"data": str(REPO / "data/synthetic_sft.jsonl"), "steps": 2, "batch_size": 2, "lora_rank": 0},
+        trainer=TRAIN,
+        rollout={"shards": 2},
+    )
+    settings = configure("graph", **sections)
+    monkeypatch.setattr(
+        retool.sampling.engines, "sampler_for", lambda settings, policy=None, shard=0: tool_policy(settings)
+    )
+    roots = [BeforeAfter(step=1, n=1, limit=3), Report(step=1)]
+    assert luigi.build(roots, local_scheduler=True, workers=1, log_level="WARNING")
+    tasks = graph(roots)
+    assert {type(t).__name__ for t in tasks} >= {"SampleRound", "TrainStep", "ColdStart", "Evaluate", "Report"}
+    full = settings.run_dir
+    inputs = {task.task_id: [Path(t.path) for t in luigi.task.flatten(task.input())] for task in tasks}
+    for index, task in enumerate(tasks):
+        alone = configure("graph", **sections, run={"runs_dir": str(tmp_path / f"alone-{index}")})
+        copy_inputs(inputs[task.task_id], full, alone.run_dir)
+        again = type(task).from_str_params(task.to_str_params())  # the same task, in the new run folder
+        again.set_status_message = lambda message: None  # what a Luigi worker gives a task it runs
+        again.run()
+        for target in luigi.task.flatten(again.output()):
+            written = Path(target.path)
+            assert written.exists(), f"{again.label()} did not write {written.relative_to(alone.run_dir)}"
+            if written.suffix == ".parquet":
+                original = full / written.relative_to(alone.run_dir)
+                assert without_timings(written).equals(without_timings(original)), again.label()
