@@ -11,7 +11,7 @@ from pathlib import Path
 import luigi
 import pyarrow.parquet as pq
 
-from retool.config.rollout import seed_turn
+from retool.config.rollout import seed_field
 from retool.config.sandbox import SandboxConfig
 from retool.config.settings import RunSettings, setting_fields
 from retool.protocol.chat import BUNDLED_TEMPLATE
@@ -54,7 +54,7 @@ def _policy(
     protocol = protocol_for(settings.model)
 
     def script(request: SampleRequest, index: int):
-        question, group, turn = request.question_index, request.group_indices[index], seed_turn(request.seed)
+        question, group, turn = request.question_index, request.group_indices[index], seed_field(request.seed, "turn")
         if turn < (question + group) % 3:
             text = _tool_call(
                 f"import time\ntime.sleep({slow_seconds(question, group, turn)})\nprint({question} * 10 + {turn})",
@@ -70,12 +70,6 @@ def _policy(
 
 def uniform_policy(settings: RunSettings) -> ScriptedSampler:
     return _policy(settings, lambda q, g, t: 0.05)
-
-
-def tail_policy(settings: RunSettings) -> ScriptedSampler:
-    """Every round with tool calls has one call that sleeps 2 s, each in a different question
-    (so a different shard): question t's branch that calls twice, in round t."""
-    return _policy(settings, lambda q, g, t: 2.0 if (q == t and (q + g) % 3 == 2) else 0.05)
 
 
 def luigi_build(settings: RunSettings, task: type[luigi.Task], workers: int = 1, **parameters) -> float:

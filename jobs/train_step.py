@@ -20,7 +20,7 @@ from retool.evaluation.metrics import ROLLOUT_STAGES, TRAINING_STAGE, describe_s
 from retool.evaluation.tracking import Tracker, scalars
 from retool.files.layout import RunFolder
 from retool.files.tables import OBSERVATIONS, TRAJECTORIES, read_table, write_table_atomically
-from retool.rollout.state import zero_variance_groups
+from retool.rollout.scoring import zero_variance_groups
 from retool.run.context import rl_base_model, sandbox_for
 from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memory
 from retool.training.record import StepMetrics, describe_metrics

@@ -5,12 +5,12 @@ from __future__ import annotations
 import http.server
 import json
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from retool.config.rollout import seed_turn
+from retool.config.rollout import seed_field
 from retool.protocol.chat import ChatProtocol
 from retool.protocol.tool_calls import tool_call_text as protocol_tool_call_text
-from retool.sandbox.call import ExecutionResult, SandboxStats
+from retool.sandbox.call import ExecutionResult, observation_text
 
 
 def tool_call_text(code: str, tool_format: str, preamble: str = "Let me compute this.") -> str:
@@ -29,7 +29,7 @@ def completion(
 class InstantSandbox:
     """Runs nothing: code `print('x' * N)` 'prints' N x's, anything else prints the code back."""
 
-    stats: SandboxStats = field(default_factory=SandboxStats)
+    calls: int = 0  # codes run so far
 
     def run_many(self, codes):
         results = []
@@ -38,23 +38,22 @@ class InstantSandbox:
                 output = "x" * int(code[len("print('x' * ") : -1]) + "\n"
             else:
                 output = f"ran: {code}\n"
-            result = ExecutionResult("ok", output, "", 0.001, 0)
-            self.stats.record(result)
-            results.append(result)
+            results.append(ExecutionResult("ok", output, "", 0.001, 0))
+        self.calls += len(codes)
         return results
 
     def observation(self, result: ExecutionResult) -> str:
-        return (result.stdout + result.stderr).rstrip("\n") or "(no output)"
+        return observation_text(result)  # the sandbox's own rule
 
 
 def turn_of(request) -> int:
     """The turn number a request samples (packed in its seed, see retool.config.rollout.sample_seed)."""
-    return seed_turn(request.seed)
+    return seed_field(request.seed, "turn")
 
 
 def step_of(request) -> int:
-    """The training step a request samples for (bits 27-46 of its seed hold step + 1)."""
-    return ((request.seed >> 27) & (2**20 - 1)) - 1
+    """The training step a request samples for (its seed's step field holds step + 1)."""
+    return seed_field(request.seed, "step") - 1
 
 
 def scripted(protocol: ChatProtocol, choose, close: bool = True):

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from retool.config.cold_start import ColdStartConfig
-from retool.config.rollout import RolloutConfig, seed_turn
+from retool.config.rollout import RolloutConfig, seed_field
 from retool.config.sandbox import SandboxConfig
 from retool.config.trainer import TrainerConfig
 from retool.data.conversations import read_conversations
@@ -69,7 +69,7 @@ def test_an_sft_sequence_is_what_a_rollout_with_the_same_turns_produces(conversa
         for conversation in conversations:
 
             def script(request, index, turns=conversation.turns):
-                turn = turns[seed_turn(request.seed)]
+                turn = turns[seed_field(request.seed, "turn")]
                 tokens = protocol.encode(assistant_text(turn, protocol.tool_format)) + (
                     [protocol.end_of_turn_token] if turn.code is None else []
                 )

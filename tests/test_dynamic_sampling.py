@@ -7,7 +7,8 @@ import pyarrow.parquet as pq
 
 from retool.data.examples import MathExample
 from retool.files.tables import TRAJECTORIES, read_table
-from retool.rollout.state import Trajectory, keep_groups
+from retool.rollout.scoring import keep_groups
+from retool.rollout.state import Trajectory
 from tests.pipeline_helpers import TRAIN, build_train, step_dir
 from tests.policies import some_groups_agree
 

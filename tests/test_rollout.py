@@ -1,17 +1,17 @@
-"""The state machine: each invariant and each edge case of DESIGN.md, one test each."""
+"""The state machine: each invariant and each edge case of the rollout's specification, one test each."""
 
 from dataclasses import replace
 
 import pytest
 
-from retool.config.rollout import RolloutConfig, sample_seed, seed_turn
+from retool.config.rollout import RolloutConfig, sample_seed, seed_field
 from retool.data.examples import MathExample
 from retool.rollout.datums import PrefixError, build_datum, trajectory_sequence
+from retool.rollout.scoring import assign_group_advantages
 from retool.rollout.state import (
     PendingExecution,
     Trajectory,
     apply_samples,
-    assign_group_advantages,
     fit_tool_content,
     plan_requests,
     rollout_in_memory,
@@ -101,9 +101,9 @@ def test_invariant_4_every_sampled_turn_is_recorded_before_parsing(hermes):
 def test_invariant_5_first_round_asks_group_size_then_one_per_trajectory(hermes):
     sampler = tool_then_answer(hermes)
     run(hermes, sampler)
-    first_round = [r for r in sampler.requests if seed_turn(r.seed) == 0]
+    first_round = [r for r in sampler.requests if seed_field(r.seed, "turn") == 0]
     assert [r.num_samples for r in first_round] == [CONFIG.group_size] * len(EXAMPLES)
-    assert all(r.num_samples == 1 for r in sampler.requests if seed_turn(r.seed) > 0)
+    assert all(r.num_samples == 1 for r in sampler.requests if seed_field(r.seed, "turn") > 0)
     assert len(sampler.requests) == len(EXAMPLES) + sum(range(CONFIG.group_size)) * len(EXAMPLES) - len(EXAMPLES)
 
 
@@ -349,7 +349,7 @@ def test_requests_map_back_to_their_branches(hermes):
 
 
 def test_zero_variance_groups_are_counted():
-    from retool.rollout.state import zero_variance_groups
+    from retool.rollout.scoring import zero_variance_groups
 
     assert zero_variance_groups([(0, 1.0), (0, -1.0), (1, -1.0), (1, -1.0), (2, 1.0)]) == 2
 
@@ -397,7 +397,7 @@ def test_the_n_children_of_a_first_turn_request_get_exactly_their_branches_seeds
     0..n-1 must hand each child its own branch's seed, never another turn's."""
     for group in range(8):
         assert sample_seed(42, 3, 5, 0, 0) + group == sample_seed(42, 3, 5, group, 0)
-        assert seed_turn(sample_seed(42, 3, 5, group, 4)) == 4
+        assert seed_field(sample_seed(42, 3, 5, group, 4), "turn") == 4
     children = {sample_seed(42, 3, 5, 0, 0) + i for i in range(8)}
     later_turns = {sample_seed(42, 3, 5, g, t) for g in range(8) for t in range(1, 6)}
     assert children.isdisjoint(later_turns)

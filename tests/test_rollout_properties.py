@@ -3,7 +3,7 @@
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from retool.config.rollout import RolloutConfig, seed_turn
+from retool.config.rollout import RolloutConfig, seed_field
 from retool.data.examples import MathExample
 from retool.rollout.datums import trajectory_sequence
 from retool.rollout.state import STOP_REASONS, rollout_in_memory
@@ -72,7 +72,7 @@ def test_any_behaviour_ends_every_trajectory_with_the_invariants(
     ]
 
     def script(request, index):
-        group, turn = request.group_indices[index], seed_turn(request.seed)
+        group, turn = request.group_indices[index], seed_field(request.seed, "turn")
         name = plan[(request.question_index * 7 + group * 3 + turn) % len(plan)]
         text, close = behaviour_text(name, request.question_index, turn, protocol.tool_format)
         return completion(protocol, text, close=close)
@@ -85,7 +85,7 @@ def test_any_behaviour_ends_every_trajectory_with_the_invariants(
         (q, g) for q in range(questions) for g in range(group_size)
     ]
     for request in sampler.requests:
-        first_round = seed_turn(request.seed) == 0
+        first_round = seed_field(request.seed, "turn") == 0
         assert request.num_samples == (group_size if first_round else 1)
     for trajectory in trajectories:
         assert trajectory.done and trajectory.stop_reason in STOP_REASONS

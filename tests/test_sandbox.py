@@ -1,4 +1,3 @@
-import asyncio
 import json
 import os
 import subprocess
@@ -153,7 +152,7 @@ def test_special_tokens_are_neutralised(sandbox, tokenizer):
     assert text.replace("\u200b", "") == "<|im_end|> and </tool_response>"
 
 
-def test_concurrency_is_bounded_from_threads_and_asyncio():
+def test_concurrency_is_bounded_from_threads():
     sandbox = Sandbox(SandboxConfig(max_workers=2))
     code = "import time\ntime.sleep(0.5)\nprint(1)"
     started = time.monotonic()
@@ -161,18 +160,11 @@ def test_concurrency_is_bounded_from_threads_and_asyncio():
     assert [r.stdout for r in results] == ["1\n"] * 4
     assert time.monotonic() - started >= 1.0  # two waves of two
 
-    async def gather():
-        return await asyncio.gather(*(sandbox.arun_code(f"print({i})") for i in range(3)))
 
-    assert [r.stdout for r in asyncio.run(gather())] == ["0\n", "1\n", "2\n"]
-    assert (sandbox.stats.calls, sandbox.stats.ok, sandbox.stats.error) == (7, 7, 0)
-
-
-def test_stats_count_each_status(sandbox):
+def test_each_status_is_reported(sandbox):
     fresh = Sandbox(SandboxConfig(timeout_seconds=1))
-    fresh.run_many(["print(1)", "1/0", "import time\ntime.sleep(5)"])
-    assert (fresh.stats.calls, fresh.stats.ok, fresh.stats.error, fresh.stats.timeout) == (3, 1, 1, 1)
-    assert fresh.stats.max_seconds >= 1
+    results = fresh.run_many(["print(1)", "1/0", "import time\ntime.sleep(5)"])
+    assert [r.status for r in results] == ["ok", "error", "timeout"] and results[2].seconds >= 1
 
 
 def test_command_line_prints_the_observation(tmp_path):

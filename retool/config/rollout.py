@@ -36,11 +36,11 @@ def seed_capacity(name: str) -> int:
     return 2 ** dict(SEED_FIELDS)[name]
 
 
-def seed_turn(seed: int) -> int:
-    """The turn a packed sampling seed was drawn for."""
-    names = [name for name, _ in SEED_FIELDS]
-    below = sum(bits for _, bits in SEED_FIELDS[names.index("turn") + 1 :])
-    return (seed >> below) % seed_capacity("turn")
+def seed_field(seed: int, name: str) -> int:
+    """One field of a packed sampling seed, e.g. the turn it was drawn for (the step field holds step + 1)."""
+    names = [field_name for field_name, _ in SEED_FIELDS]
+    below = sum(bits for _, bits in SEED_FIELDS[names.index(name) + 1 :])
+    return (seed >> below) % seed_capacity(name)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,11 @@ def _empty(**schema) -> pl.DataFrame:
 def metrics_by_step(run: str | Path) -> pl.DataFrame:
     """One row per training step: the columns of step=NNNN/metrics.parquet."""
     scan = _scan(RunFolder(Path(run)).step_files(METRICS))
-    return scan.collect().sort("step") if scan is not None else _empty(step=pl.Int64)
+    if scan is None:
+        return _empty(step=pl.Int64)
+    metrics = scan.collect().sort("step")
+    old_name = {"degenerate_group_rate": "zero_variance_group_rate"}  # in the metrics of runs made before it changed
+    return metrics.rename({k: v for k, v in old_name.items() if k in metrics.columns})
 
 
 def tool_success_by_round(run: str | Path) -> pl.DataFrame:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from retool.files.atomic import write_text_atomically
-from retool.rollout.state import STOP_REASONS, zero_variance_groups
+from retool.rollout.scoring import zero_variance_groups
+from retool.rollout.state import STOP_REASONS
 from retool.training.record import StepMetrics
 
 # The stages of a training step, by the names their wall times are recorded under (the pipeline's tasks):
@@ -63,7 +64,7 @@ def step_metrics(
         "code_calls": _mean([float(r["code_calls"]) for r in rows]),
         "trajectory_tokens": _mean([float(r["trajectory_tokens"]) for r in rows]),
         "valid_tool_call_rate": _mean([float(r["kind"] == "tool") for r in attempted]),
-        "degenerate_group_rate": zero_variance_groups((r["question_index"], r["reward"]) for r in rows)
+        "zero_variance_group_rate": zero_variance_groups((r["question_index"], r["reward"]) for r in rows)
         / max(1, len({r["question_index"] for r in rows})),
         "groups_drawn": len({r["question_index"] for r in rows}),
         "groups_kept": len({r["question_index"] for r in rows if r["kept"]}),
@@ -93,8 +94,8 @@ def describe_step(metrics: dict) -> str:
         f"{metrics['format']:.3f}, correct of valid {metrics['valid_accuracy']:.3f}, turns {metrics['turns']:.2f}, "
         f"code calls {metrics['code_calls']:.2f}, sandbox ok {metrics['sandbox_ok_rate']:.2f}, sampled tokens "
         f"{metrics['sampled_tokens_correct']:.0f} correct / {metrics['sampled_tokens_wrong']:.0f} wrong, "
-        f"groups kept {metrics['groups_kept']} of {metrics['groups_drawn']} (degenerate "
-        f"{metrics['degenerate_group_rate']:.2f}), stops: {stops or 'none'}\n"
+        f"groups kept {metrics['groups_kept']} of {metrics['groups_drawn']} (zero-variance "
+        f"{metrics['zero_variance_group_rate']:.2f}), stops: {stops or 'none'}\n"
         f"  update: {metrics['train_updates']} optimizer steps on {metrics['train_datums']} datums, loss "
         f"{metrics['train_loss']:+.4f}, entropy {metrics['train_entropy']:.3f}, KL(before||after) k1 "
         f"{metrics['train_kl_k1']:.2e} k3 {metrics['train_kl_k3']:.2e}, clipped {metrics['train_clip_fraction']:.3f}, "

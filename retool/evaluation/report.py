@@ -193,8 +193,12 @@ def plot_eval(evals: pl.DataFrame) -> Figure:
 
 
 def plot_learning_curve(metrics: pl.DataFrame) -> Figure:
-    """Reward mean and degenerate-group rate per RL step: is the policy learning, and is there signal?"""
-    columns = {"reward mean": "reward_mean", "correct": "correct", "degenerate-group rate": "degenerate_group_rate"}
+    """Reward mean and zero-variance-group rate per RL step: is the policy learning, and is there signal?"""
+    columns = {
+        "reward mean": "reward_mean",
+        "correct": "correct",
+        "zero-variance-group rate": "zero_variance_group_rate",
+    }
     return _per_step(metrics, columns, "not recorded", (6.4, 3.6), title="RL after the cold start", ylim=(-1.05, 1.05))
 
 

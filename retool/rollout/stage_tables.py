@@ -14,15 +14,13 @@ from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTO
 from retool.protocol.chat import ChatProtocol
 from retool.rollout.datums import build_datums, trajectory_sequence
 from retool.rollout.replay import StaleInputError
+from retool.rollout.scoring import end_step
 from retool.rollout.state import (
     Trajectory,
     apply_results,
     apply_samples,
-    assign_group_advantages,
-    keep_groups,
     plan_requests,
     sampling_settings,
-    score_trajectory,
 )
 from retool.sampling.contract import SampledSequence, Sampler, SampleRequest, sample_checked
 
@@ -148,19 +146,14 @@ def observation_row(trajectory: Trajectory, step: int, round_index: int) -> dict
 
 
 def scored_table(trajectories: Sequence[Trajectory], step: int, keep_limit: int | None = None) -> pa.Table:
-    """ScoreTrajectories: every reward first, then advantages within each question's group, then which
-    groups train (with a `keep_limit`, dynamic sampling: the first that many of mixed correctness)."""
+    """ScoreTrajectories: the end of the step (`end_step`) once the last round's files say every trajectory
+    has ended."""
     live = [t for t in trajectories if not t.done]
     if live:
         raise StaleInputError(
             f"{len(live)} trajectories are still live after the last round; the round files are incomplete"
         )
-    ordered = sorted(trajectories, key=lambda t: (t.question_index, t.group_index))
-    for trajectory in ordered:
-        score_trajectory(trajectory)
-    assign_group_advantages(ordered)
-    keep_groups(ordered, keep_limit)
-    return trajectories_table(ordered, step)
+    return trajectories_table(end_step(trajectories, keep_limit), step)
 
 
 def trajectories_table(trajectories: Sequence[Trajectory], step: int) -> pa.Table:

@@ -1,27 +1,28 @@
 """The multi-turn rollout state machine.
 
-A round is three pure steps that the pipeline runs as separate stages and `rollout_in_memory`
-runs in one loop:
+A round is three steps over the trajectories (each updates them in place), which the pipeline runs as
+separate stages and `rollout_in_memory` in one loop; `end_step` then scores the step:
 
     plan_requests   live trajectories            -> sample requests (ends those without budget)
     apply_samples   trajectories + sampled turns -> pending executions (ends answers, invalid turns)
     apply_results   pending + sandbox results    -> observations appended, or the trajectory ends
 
 Names follow the reference chapter (rollout-state-machine): make_request, begin_advance,
-fit_tool_content, finish_advance, score_trajectory, assign_group_advantages.
+fit_tool_content, finish_advance (and, in scoring.py, score_trajectory, assign_group_advantages).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from retool.config.rollout import RolloutConfig, sample_seed
 from retool.data.examples import MathExample
-from retool.data.reward import last_boxed, score_answer
+from retool.data.reward import last_boxed
 from retool.protocol.chat import ChatProtocol
 from retool.protocol.tool_calls import neutralise, parse_assistant
+from retool.rollout.scoring import end_step
 from retool.sampling.contract import SampledSequence, Sampler, SampleRequest, SamplingSettings, sample_checked
 from retool.sandbox.call import ExecutionResult, Sandbox
 
@@ -314,58 +315,6 @@ def apply_results(
         finish_advance(pending, result, content, protocol, config)
 
 
-def score_trajectory(trajectory: Trajectory) -> None:
-    score = score_answer(trajectory.final_text, trajectory.example.answer)
-    trajectory.reward, trajectory.valid_format, trajectory.correct, trajectory.extracted_answer = (
-        score.reward,
-        score.valid_format,
-        score.correct,
-        score.extracted_answer,
-    )
-
-
-def assign_group_advantages(trajectories: Sequence[Trajectory]) -> None:
-    """A = R - mean(R of the same question in this step). Every reward must already be set."""
-    unscored = [t for t in trajectories if t.reward is None]
-    if unscored:
-        raise ValueError(
-            f"{len(unscored)} trajectories have no reward yet; score every trajectory before computing advantages"
-        )
-    groups: dict[int, list[Trajectory]] = defaultdict(list)
-    for trajectory in trajectories:
-        groups[trajectory.question_index].append(trajectory)
-    for group in groups.values():
-        mean = sum(t.reward for t in group) / len(group)
-        for trajectory in group:
-            trajectory.advantage = trajectory.reward - mean
-
-
-def keep_groups(trajectories: Sequence[Trajectory], limit: int | None) -> None:
-    """Dynamic sampling (DAPO): with a `limit`, only the groups whose answers differ in correctness
-    train, the first `limit` of them in question order; the others are drawn but not kept. Correctness,
-    not reward: a group that differs only in a shaped part of the reward has nothing to teach about the
-    answer. Without a limit every group is kept."""
-    groups: dict[int, list[Trajectory]] = defaultdict(list)
-    for trajectory in trajectories:
-        groups[trajectory.question_index].append(trajectory)
-    kept = 0
-    for _, group in sorted(groups.items()):
-        mixed = len({t.correct for t in group}) > 1
-        keep = limit is None or (mixed and kept < limit)
-        kept += keep
-        for trajectory in group:
-            trajectory.kept = keep
-
-
-def zero_variance_groups(question_rewards: Iterable[tuple[int, float]]) -> int:
-    """Questions whose whole group got the same reward: advantage 0 everywhere, no learning signal.
-    Takes (question_index, reward) pairs."""
-    rewards: dict[int, set[float]] = defaultdict(set)
-    for question_index, reward in question_rewards:
-        rewards[question_index].add(reward)
-    return sum(1 for values in rewards.values() if len(values) == 1)
-
-
 def rollout_in_memory(
     examples: Sequence[MathExample],
     sampler: Sampler,
@@ -374,12 +323,15 @@ def rollout_in_memory(
     config: RolloutConfig,
     step: int = 0,
     on_round: Callable[[int, Sequence[Trajectory]], None] | None = None,
+    keep_limit: int | None = None,
 ) -> list[Trajectory]:
-    """The whole state machine in one process: rounds until every trajectory ends, then rewards, then
-    advantages. The pipeline runs the same steps one stage at a time and must give the same result."""
+    """The whole state machine in one process: rounds until every trajectory ends, then the end of the step
+    (`end_step`). The pipeline runs the same steps one stage at a time and must give the same result."""
     trajectories = start_trajectories(examples, protocol, config)
     settings = sampling_settings(config, protocol)
     round_index = 0
+    # Each round: one batched sampling call for every live branch (round 0: one request of n per question),
+    # then the round's tool calls concurrently, then the barrier: no branch starts round r+1 before all end r.
     while requests := plan_requests(trajectories, protocol, config, step):
         replies = sample_checked(sampler, requests, settings)
         pendings = apply_samples(trajectories, requests, replies, protocol, config)
@@ -387,7 +339,4 @@ def rollout_in_memory(
         if on_round:
             on_round(round_index, trajectories)
         round_index += 1
-    for trajectory in trajectories:
-        score_trajectory(trajectory)
-    assign_group_advantages(trajectories)
-    return trajectories
+    return end_step(trajectories, keep_limit)

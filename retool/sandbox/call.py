@@ -3,7 +3,6 @@ file the same way and prints what the model would see)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -53,22 +52,6 @@ class ExecutionResult:
     exit_code: int | None  # the child's exit status; negative for a signal; None after a timeout
 
 
-@dataclass
-class SandboxStats:
-    calls: int = 0
-    ok: int = 0
-    error: int = 0
-    timeout: int = 0
-    total_seconds: float = 0.0
-    max_seconds: float = 0.0
-
-    def record(self, result: ExecutionResult) -> None:
-        self.calls += 1
-        setattr(self, result.status, getattr(self, result.status) + 1)
-        self.total_seconds += result.seconds
-        self.max_seconds = max(self.max_seconds, result.seconds)
-
-
 def _read_tail(path: Path, limit: int) -> str:
     size = path.stat().st_size
     with path.open("rb") as handle:
@@ -81,11 +64,9 @@ def _read_tail(path: Path, limit: int) -> str:
 @dataclass(eq=False)  # a resource, compared by identity
 class Sandbox:
     config: SandboxConfig = field(default_factory=SandboxConfig)
-    stats: SandboxStats = field(default_factory=SandboxStats)
 
     def __post_init__(self) -> None:
         self._slots = threading.BoundedSemaphore(self.config.max_workers)
-        self._stats_lock = threading.Lock()
         self.containment = probe_containment() if self.config.contain else Containment(False, None, False)
         # Fork servers, one per concurrent call; a server's timeouts rely on the pids cgroup.
         self.prewarmed = (
@@ -130,12 +111,7 @@ class Sandbox:
                     0.0,
                     None,
                 )
-        with self._stats_lock:
-            self.stats.record(result)
         return result
-
-    async def arun_code(self, code: str) -> ExecutionResult:
-        return await asyncio.to_thread(self.run_code, code)
 
     def run_many(self, codes: Sequence[str]) -> list[ExecutionResult]:
         """Runs calls concurrently; results come back in the order of `codes`."""
@@ -333,9 +309,13 @@ class Sandbox:
             self._zygote, self._zygote_address = None, None
 
     def observation(self, result: ExecutionResult) -> str:
-        """The text of one call's tool message, before the protocol neutralises its special tokens."""
-        parts = [part.rstrip("\n") for part in (result.stdout, result.stderr) if part.strip()]
-        return "\n".join(parts) if parts else "(no output)"
+        return observation_text(result)
+
+
+def observation_text(result: ExecutionResult) -> str:
+    """The text of one call's tool message, before the protocol neutralises its special tokens."""
+    parts = [part.rstrip("\n") for part in (result.stdout, result.stderr) if part.strip()]
+    return "\n".join(parts) if parts else "(no output)"
 
 
 def _classify(exit_code: int | None, output_limited: bool, config: SandboxConfig) -> tuple[str, str]:
