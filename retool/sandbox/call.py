@@ -131,6 +131,7 @@ class Sandbox:
 
     def _run(self, code: str) -> ExecutionResult:
         config, containment = self.config, self.containment
+        # A fresh directory per call: no call sees another's files, and removing it removes everything it wrote.
         workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-")
         # A cold call gets a pids cgroup of its own; a warm one is born into its server's.
         cgroup = (
@@ -139,6 +140,7 @@ class Sandbox:
             else None
         )
         try:
+            # Output goes to files, not pipes: a flood of output cannot block the child or fill this process.
             code_file, out_file, err_file = (Path(workdir, name) for name in ("cell.py", ".stdout", ".stderr"))
             code_file.write_text(code, encoding="utf-8")
             out_file.touch()
@@ -151,20 +153,10 @@ class Sandbox:
             if cgroup:
                 cgroup.mkdir()
                 (cgroup / "pids.max").write_text(str(config.max_processes))
-            settings = {
-                "code_file": str(code_file),
-                "workdir": workdir,
-                "contained": containment.namespaces,
-                "view": containment.view,
-                "extra_ro_paths": config.readable_extra,
-                "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup else None,
-                "cpu_seconds": config.cpu_limit,
-                "memory_bytes": config.memory_mb * 2**20,
-                "file_bytes": config.file_mb * 2**20,
-                "environment": child_environment(workdir),
-            }
+            # The runner applies the limits itself, inside the child, before the code runs.
             settings_file = Path(workdir, ".settings.json")
-            settings_file.write_text(json.dumps(settings))
+            settings_file.write_text(json.dumps(self._runner_settings(code_file, workdir, cgroup)))
+            # Run it: forked from a warm server (no interpreter start) or a new interpreter; both end by the timeout.
             started = time.perf_counter()
             try:
                 exit_code = (
@@ -174,16 +166,35 @@ class Sandbox:
                 if cgroup:
                     empty_cgroup(cgroup)  # kills whatever is left, wherever it went
             seconds = time.perf_counter() - started
+            # How the code ended, as the runner saw it (the runner's own exit code says less), and the outputs'
+            # tails: the model reads the end of a traceback, not its start.
             exit_code = _child_status(Path(workdir, ".status"), exit_code)
             output_limited = max(out_file.stat().st_size, err_file.stat().st_size) >= config.file_mb * 2**20
             stdout_text = _read_tail(out_file, config.output_tail_bytes)
             stderr_text = _read_tail(err_file, config.output_tail_bytes)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
+        # A limit that stopped the code is said in the observation's last line, as Python would say an error.
         status, note = _classify(exit_code, output_limited, config)
         if note:
             stderr_text = f"{stderr_text.rstrip(chr(10))}\n{note}\n".lstrip("\n")
         return ExecutionResult(status, stdout_text, stderr_text, seconds, exit_code)
+
+    def _runner_settings(self, code_file: Path, workdir: str, cgroup: Path | None) -> dict:
+        """What the runner must apply in the child before the code runs."""
+        config, containment = self.config, self.containment
+        return {
+            "code_file": str(code_file),
+            "workdir": workdir,
+            "contained": containment.namespaces,
+            "view": containment.view,
+            "extra_ro_paths": config.readable_extra,
+            "cgroup_procs": str(cgroup / "cgroup.procs") if cgroup else None,
+            "cpu_seconds": config.cpu_limit,
+            "memory_bytes": config.memory_mb * 2**20,
+            "file_bytes": config.file_mb * 2**20,
+            "environment": child_environment(workdir),
+        }
 
     def _run_cold(self, settings_file: Path, workdir: str) -> int | None:
         """A new interpreter for the call (in new namespaces when available); None after a timeout."""

@@ -209,15 +209,19 @@ def mini_batches(num_datums: int, count: int) -> list[list[int]]:
 
 def _update(model, optimizer, parameters, chosen, config, num_samples, device) -> tuple[PolicyPass, float]:
     """One optimizer step on the `chosen` datums; what its gradient pass saw, and the gradient norm."""
+    # Micro-batches bound the padded tokens in memory at once; each loss token's weight is fixed for the whole
+    # mini-batch first, so that summing micro-batch gradients gives exactly the mini-batch's gradient.
     batches = pack_micro_batches([d.num_tokens for d in chosen], config.micro_batch_items, config.micro_batch_tokens)
     weights = loss_token_weights([d.loss_tokens for d in chosen], config.loss_aggregation, num_samples)
     optimizer.zero_grad(set_to_none=True)
     seen = accumulate_gradients(model, chosen, batches, weights, config, device)
+    # Several processes each took every K-th micro-batch: their gradients add up to the whole mini-batch's.
     if _rank_and_world()[1] > 1:
         for parameter in parameters:
             if parameter.grad is None:  # this process had no micro-batch
                 parameter.grad = torch.zeros_like(parameter)
             dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
+    # Clipping bounds a step that a few extreme-advantage tokens would otherwise dominate.
     grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -243,8 +247,12 @@ def train_step(
     # A single update sees the policy it starts from in its own gradient pass; several need a pass before them.
     single = len(groups) * config.ppo_epochs == 1
     before = None if single or not datums else policy_pass(model, datums, whole, config, device)
+    # sample_mean divides by every trajectory of the step (or only those with datums): a group that carries no
+    # signal still counts, so a step of mostly equal rewards moves the policy less.
     samples = max(len(datums) if config.filter_zero_variance_groups else num_trajectories, 1)
     loss, clipped, grad_norms = 0.0, 0, []
+    # PPO: several optimizer steps on the same samples; the clip keeps each token's ratio to the sampling policy
+    # near 1, so later mini-batches cannot move the policy far from what sampled them.
     for _ in range(config.ppo_epochs):
         for members in groups:
             share = samples * len(members) / len(datums)  # sample_mean's denominator: this mini-batch's part
@@ -252,11 +260,26 @@ def train_step(
             before = before or seen
             loss, clipped = loss + seen.loss / (len(groups) * config.ppo_epochs), clipped + seen.clipped
             grad_norms.append(grad_norm)
+    # The updated policy, measured on the same tokens: how far the step moved it (KL, ratios outside the clip).
     after = policy_pass(model, datums, whole, config, device) if config.objective == "ppo" and datums else None
     sums = _summed_over_processes(
         {"loss": loss, "clipped": clipped, **drift_sums(before or PolicyPass([], [], []), after, config)}, device
     )
     seconds = time.perf_counter() - started
+    return _step_metrics(datums, whole, sums, grad_norms, config, seconds, num_trajectories, zero_variance_groups)
+
+
+def _step_metrics(
+    datums: list[Datum],
+    whole: list[MicroBatch],
+    sums: dict[str, float],
+    grad_norms: list[float],
+    config: TrainerConfig,
+    seconds: float,
+    num_trajectories: int,
+    zero_variance_groups: int,
+) -> StepMetrics:
+    """The step's record from the sums over every process's loss tokens."""
     tokens, real_tokens = max(sums["tokens"], 1.0), sum(d.num_tokens for d in datums)
     return StepMetrics(
         datums=len(datums),
