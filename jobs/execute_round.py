@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from retool.config.settings import RunSettings
-from retool.evaluation.spec import EvalSpec, rollout_settings
+from retool.evaluation.spec import EvalSpec, evaluation_settings
 from retool.files.layout import RoundPaths
 from retool.files.tables import SAMPLES, read_table, write_table_atomically
 from retool.rollout.replay import replay_files
@@ -28,7 +28,7 @@ def execute_round(
     status: Callable[[str], None] = lambda message: None,  # the task's status line in the scheduler
 ) -> str:
     """`rounds`: the shard's rounds before this one; `samples`: this round's."""
-    settings = rollout_settings(run, evaluation)
+    settings = evaluation_settings(run, evaluation)
     protocol = protocol_for(settings.model)
     trajectories = replay_files(prompts, rounds, protocol, settings.rollout, shard)
     sampled = read_table(samples, SAMPLES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from retool.config.settings import RunSettings
-from retool.evaluation.spec import EvalSpec, rollout_settings
+from retool.evaluation.spec import EvalSpec, evaluation_settings
 from retool.files.tables import write_table_atomically
 from retool.rollout.stage_tables import describe_prompts, prompts_table
 from retool.run.context import protocol_for, step_examples
@@ -13,7 +13,7 @@ from retool.run.context import protocol_for, step_examples
 
 def prompts(out: Path, run: RunSettings, step: int, evaluation: EvalSpec | None = None) -> str:
     """The questions come from the run's training data (step `step`'s batch) or the evaluation's data file."""
-    protocol = protocol_for(rollout_settings(run, evaluation).model)
+    protocol = protocol_for(evaluation_settings(run, evaluation).model)
     table = prompts_table(step_examples(run, step, evaluation), protocol, step)
     write_table_atomically(table, out)
     return describe_prompts(table)

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from retool.config.settings import RunSettings
-from retool.evaluation.spec import EvalSpec, rollout_settings
+from retool.evaluation.spec import EvalSpec, evaluation_settings
 from retool.files.layout import RoundPaths
 from retool.files.tables import write_table_atomically
 from retool.rollout.replay import replay_files
@@ -28,7 +28,7 @@ def sample_round(
     status: Callable[[str], None] = lambda message: None,  # the task's status line in the scheduler
 ) -> str:
     """`rounds`: the shard's rounds before this one; `checkpoint`: the policy to sample (None: the model setting)."""
-    settings = rollout_settings(run, evaluation)
+    settings = evaluation_settings(run, evaluation)
     protocol = protocol_for(settings.model)
     # The state of each trajectory is rebuilt from the files, never stored: a re-run starts from what they say.
     trajectories = replay_files(prompts, rounds, protocol, settings.rollout, shard)

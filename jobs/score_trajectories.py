@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from retool.config.settings import RunSettings
-from retool.evaluation.spec import EvalSpec, rollout_settings
+from retool.evaluation.spec import EvalSpec, evaluation_settings
 from retool.files.layout import RoundPaths
 from retool.files.tables import write_table_atomically
 from retool.rollout.replay import replay_shards
@@ -24,7 +24,7 @@ def score_trajectories(
     evaluation: EvalSpec | None = None,
 ) -> str:
     """`shards`: every round of every shard."""
-    settings = rollout_settings(run, evaluation)
+    settings = evaluation_settings(run, evaluation)
     trajectories = replay_shards(prompts, shards, protocol_for(settings.model), settings.rollout)
     table = scored_table(trajectories, step, settings.data.keep_limit)
     write_table_atomically(table, out)

@@ -96,7 +96,7 @@ class RunTask(luigi.Task):
 
     def rl_base(self) -> dict[str, luigi.Task]:
         """{"rl_base": the cold start} when RL starts from its weights, which a LoRA checkpoint applies to."""
-        return {"rl_base": ColdStart()} if self.context.run.cold_start.data else {}
+        return {"rl_base": ColdStart()} if self.context.settings.cold_start.data else {}
 
     def rounds(self, shard: int, count: int) -> list[dict[str, luigi.Task]]:
         """The first `count` rounds of one shard: the stages whose files rebuild its trajectories."""
@@ -110,7 +110,7 @@ class RunTask(luigi.Task):
 
     def all_rounds(self) -> list[list[dict[str, luigi.Task]]]:
         """Every round of every shard of the step."""
-        rollout = self.context.settings.rollout
+        rollout = self.context.rollout
         return [self.rounds(shard, rollout.max_assistant_turns) for shard in range(rollout.shards)]
 
 
@@ -157,7 +157,7 @@ class Prompts(RolloutTask):
         return self.target(self.context.folder.prompts)
 
     def run(self):
-        self.summary = prompts(path(self.output()), self.context.run, self.step, self.evaluation)
+        self.summary = prompts(path(self.output()), self.context.settings, self.step, self.evaluation)
 
 
 class SampleRound(RolloutTask):
@@ -171,7 +171,7 @@ class SampleRound(RolloutTask):
         return self.target(self.context.folder.samples(self.shard, self.round))
 
     def run(self):
-        inputs, run = self.input(), self.context.run
+        inputs, run = self.input(), self.context.settings
         self.summary = sample_round(
             path(inputs["prompts"]), round_paths(inputs["rounds"]), checkpoint_of(inputs), path(self.output()),
             run, self.step, self.shard, self.round, self.evaluation, self.set_status_message,
@@ -190,7 +190,7 @@ class ExecuteRound(RolloutTask):
         return self.target(self.context.folder.observations(self.shard, self.round))
 
     def run(self):
-        inputs, run = self.input(), self.context.run
+        inputs, run = self.input(), self.context.settings
         self.summary = execute_round(
             path(inputs["prompts"]), round_paths(inputs["rounds"]), path(inputs["samples"]), path(self.output()),
             run, self.step, self.shard, self.round, self.evaluation, self.set_status_message,
@@ -208,7 +208,7 @@ class ScoreTrajectories(RolloutTask):
         inputs = self.input()
         shards = [round_paths(rounds) for rounds in inputs["shards"]]
         self.summary = score_trajectories(
-            path(inputs["prompts"]), shards, path(self.output()), self.context.run, self.step, self.evaluation
+            path(inputs["prompts"]), shards, path(self.output()), self.context.settings, self.step, self.evaluation
         )
 
 
@@ -231,7 +231,7 @@ class BuildDatums(RunTask):
             shards,
             path(inputs["trajectories"]),
             path(self.output()),
-            self.context.run,
+            self.context.settings,
             self.step,
         )
 
@@ -258,7 +258,7 @@ class TrainStep(RunTask):
         self.summary = train_step(
             path(inputs["datums"]), path(inputs["trajectories"]), [path(t) for t in inputs["observations"]],
             previous, path(outputs["checkpoint"]).parent, path(outputs["metrics"]),
-            self.context.folder.timings, self.context.run, self.step,
+            self.context.folder.timings, self.context.settings, self.step,
         )  # fmt: skip
 
 
@@ -278,7 +278,7 @@ class SFTExamples(ColdStartTask):
         return self.target(self.context.folder.sft_examples)
 
     def run(self):
-        self.summary = sft_examples(path(self.output()), self.context.run)
+        self.summary = sft_examples(path(self.output()), self.context.settings)
 
 
 class ColdStart(ColdStartTask):
@@ -299,11 +299,11 @@ class ColdStart(ColdStartTask):
         outputs, progress = self.output(), self.context.folder.sft_progress  # progress: its own resume point
         self.summary = cold_start(
             path(self.input()["examples"]), path(outputs["checkpoint"]).parent, path(outputs["losses"]), progress,
-            self.context.run, self.report_progress,
+            self.context.settings, self.report_progress,
         )  # fmt: skip
 
     def report_progress(self, row: dict) -> None:
-        steps = self.context.run.cold_start.steps
+        steps = self.context.settings.cold_start.steps
         line = f"cold start step {row['step'] + 1}/{steps}: loss {row['loss']:.3f}, {row['seconds']:.1f} s"
         self.set_status_message(line)
         print(line, flush=True)
@@ -342,7 +342,7 @@ class Evaluate(EvaluationTask):
         return self.target(self.context.folder.summary)
 
     def run(self):
-        self.summary = evaluate(path(self.input()), path(self.output()), self.context.run, self.spec(), self.step)
+        self.summary = evaluate(path(self.input()), path(self.output()), self.context.settings, self.spec(), self.step)
 
 
 class Report(RunTask):
@@ -361,7 +361,7 @@ class Report(RunTask):
         return report.exists() and not self.context.run_folder.changed_since(report, self.step)
 
     def run(self):
-        self.summary = report(path(self.output()).parent, self.context.run, self.step)
+        self.summary = report(path(self.output()).parent, self.context.settings, self.step)
 
 
 class BeforeAfter(EvaluationTask):
@@ -372,7 +372,7 @@ class BeforeAfter(EvaluationTask):
     def evaluations(self) -> list[tuple[str, Evaluate]]:
         policies = (
             [("base", -1, False)]
-            + ([("SFT", -1, True)] if self.context.run.cold_start.data else [])
+            + ([("SFT", -1, True)] if self.context.settings.cold_start.data else [])
             + [(f"RL step {self.step}", self.step, False)]
         )
         return [(label, self.clone(Evaluate, step=step, sft=sft)) for label, step, sft in policies]
@@ -390,4 +390,4 @@ class BeforeAfter(EvaluationTask):
         labels = [label for label, _ in self.evaluations()]
         evaluations = list(zip(labels, map(path, self.input()["trajectories"]), strict=True))
         out, report_folder = path(self.output()), self.context.run_folder.report(self.step)
-        self.summary = before_after(evaluations, self.n, out, report_folder, self.context.run, self.step)
+        self.summary = before_after(evaluations, self.n, out, report_folder, self.context.settings, self.step)

@@ -67,26 +67,28 @@ def test_a_training_group_of_one_is_refused_but_an_evaluation_with_n_1_runs():
 
     from retool.config.rollout import RolloutConfig
     from retool.config.settings import DataConfig, RunSettings, SettingsError, check_training
-    from retool.evaluation.spec import EvalSpec, rollout_settings
+    from retool.evaluation.spec import EvalSpec, evaluation_settings
 
     with pytest.raises(SettingsError, match="group_size = 1: training needs at least 2 samples per question"):
         check_training(RunSettings(rollout=RolloutConfig(group_size=1)))
     with pytest.raises(SettingsError, match="questions_per_step = 5000 exceeds 4096"):
         check_training(replace(RunSettings(), data=DataConfig(questions_per_step=5000)))
-    evaluation = rollout_settings(RunSettings(), EvalSpec("data/synthetic_eval.jsonl", 1, "retool"))
+    evaluation = evaluation_settings(RunSettings(), EvalSpec("data/synthetic_eval.jsonl", 1, "retool"))
     assert evaluation.rollout.group_size == 1
 
 
 def test_a_training_nucleus_is_refused_and_an_evaluations_temperature_never_reaches_the_trainer():
     from retool.config.settings import RunSettings, SettingsError, check_training
-    from retool.evaluation.spec import EvalSpec, rollout_settings
+    from retool.evaluation.spec import EvalSpec, evaluation_settings
 
     with pytest.raises(SettingsError, match=r"\[rollout\] top_p = 0.9: training samples with top_p = 1"):
         check_training(RunSettings().changed(rollout={"top_p": 0.9}))
     run = RunSettings().changed(rollout={"temperature": 0.8})
     assert run.trainer_on_device().temperature == 0.8  # the trainer's logprobs at the sampling temperature
     assert run.sft_trainer().temperature == 1.0  # the cold start's likelihood is the model's own
-    evaluation = rollout_settings(run, EvalSpec("data/synthetic_eval.jsonl", 1, "retool", temperature=0.3, top_p=0.5))
+    evaluation = evaluation_settings(
+        run, EvalSpec("data/synthetic_eval.jsonl", 1, "retool", temperature=0.3, top_p=0.5)
+    )
     assert evaluation.rollout.temperature == 0.3 and run.trainer_on_device().temperature == 0.8
 
 
@@ -94,12 +96,12 @@ def test_an_evaluation_set_larger_than_the_seed_layout_names_the_file(tmp_path):
     import json
 
     from retool.config.settings import RunSettings, SettingsError
-    from retool.evaluation.spec import EvalSpec, rollout_settings
+    from retool.evaluation.spec import EvalSpec, evaluation_settings
 
     big = tmp_path / "big.jsonl"
     big.write_text("".join(json.dumps({"id": str(i), "question": "q", "answer": "1"}) + "\n" for i in range(4097)))
     with pytest.raises(SettingsError, match=f"evaluation dataset {big}: 4097 questions, over the 4096"):
-        rollout_settings(RunSettings(), EvalSpec(str(big), 2, "retool"))
+        evaluation_settings(RunSettings(), EvalSpec(str(big), 2, "retool"))
 
 
 def test_chat_template_arguments_must_be_a_json_object():

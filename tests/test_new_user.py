@@ -95,7 +95,7 @@ def test_counts_in_the_report_agree_with_their_nouns():
 
 
 def test_evaluations_are_told_apart_by_content_and_by_how_they_sample(tmp_path):
-    from retool.evaluation.spec import EvalSpec, rollout_settings
+    from retool.evaluation.spec import EvalSpec, evaluation_settings
 
     rows = [{"id": str(i), "question": f"{i} + 1?", "answer": str(i + 1)} for i in range(3)]
     for folder, content in (("A", rows), ("B", rows[::-1]), ("C", rows)):
@@ -106,7 +106,7 @@ def test_evaluations_are_told_apart_by_content_and_by_how_they_sample(tmp_path):
     assert EvalSpec(a, 2, "retool").name == EvalSpec(c, 2, "retool").name  # same file elsewhere: reused
     spec = EvalSpec(a, 2, "retool", limit=1, temperature=1.0, top_p=0.7)
     assert spec.name.endswith("/retool-n2-t1-p0.7-first1") and [e.id for e in spec.examples()] == ["0"]
-    settings = rollout_settings(RunSettings(), spec)
+    settings = evaluation_settings(RunSettings(), spec)
     assert (settings.rollout.top_p, settings.data.questions_per_step) == (0.7, 1)
 
 

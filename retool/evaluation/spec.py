@@ -61,9 +61,10 @@ def _content_hash(path: str, mtime_ns: int, size: int) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:10]
 
 
-def rollout_settings(settings: RunSettings, evaluation: EvalSpec | None) -> RunSettings:
-    """The run's settings, or those of an evaluation rollout: every question of the data set once,
-    `n` samples each; text-only mode declares no tool and allows one turn."""
+def evaluation_settings(settings: RunSettings, evaluation: EvalSpec | None) -> RunSettings:
+    """The settings a rollout runs under: the run's own for a training step (`evaluation` None), or an
+    evaluation's: every question of its data set once, `n` samples each; text-only mode declares no tool and
+    allows one turn."""
     if evaluation is None:
         return settings
     questions = len(evaluation.examples())

@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from retool.config.rollout import RolloutConfig
 from retool.config.sandbox import SandboxConfig
 from retool.config.settings import ModelConfig, RunSettings, SettingsError, check_training
 from retool.data.conversations import read_conversations
 from retool.data.examples import MathExample, shuffled, take_batch
-from retool.evaluation.spec import EvalSpec, _examples, rollout_settings
+from retool.evaluation.spec import EvalSpec, _examples, evaluation_settings
 from retool.evaluation.tracking import Tracker, check_tracker
 from retool.files.layout import RunFolder, StepFolder
 from retool.protocol.chat import ChatProtocol, load_tokenizer
@@ -68,23 +69,29 @@ def check_inputs(settings: RunSettings) -> None:
 
 @dataclass(frozen=True)
 class RunContext:
-    run: RunSettings  # the run's settings, as frozen in its config.json
+    """Where a task of a run reads and writes: its folder, and the checkpoint its rollout samples from."""
+
+    settings: RunSettings  # the run's settings, as frozen in its config.json
     step: int  # the training step, or the checkpoint an evaluation scores (-1: the base or cold-start model)
     evaluation: EvalSpec | None = None  # None: a training step
     cold_start: bool = False  # a stage of the cold start (folder runs/<run>/sft/)
-    settings: RunSettings = field(init=False)  # those this task's rollout runs under (see rollout_settings)
+    rollout: RolloutConfig = field(init=False)  # what this task's rollout runs under (see evaluation_settings)
 
     def __post_init__(self) -> None:
-        if self.evaluation is not None and self.evaluation.sft and (self.step != -1 or not self.run.cold_start.data):
+        if (
+            self.evaluation is not None
+            and self.evaluation.sft
+            and (self.step != -1 or not self.settings.cold_start.data)
+        ):
             raise SettingsError(
                 "--sft evaluates the cold-start checkpoint: it needs --step -1 and a run with [cold_start] data set"
             )
         # An evaluation asks its own questions, n times each: its data file is read here, when the task is made.
-        object.__setattr__(self, "settings", rollout_settings(self.run, self.evaluation))
+        object.__setattr__(self, "rollout", evaluation_settings(self.settings, self.evaluation).rollout)
 
     @property
     def run_folder(self) -> RunFolder:
-        return RunFolder(self.run.run_dir)
+        return RunFolder(self.settings.run_dir)
 
     @property
     def folder(self) -> StepFolder:
@@ -102,7 +109,7 @@ class RunContext:
         source = self.step if self.evaluation is not None else self.step - 1
         if source >= 0:
             return Checkpoint(self.run_folder.step(source).checkpoint)
-        wants_sft = self.evaluation.sft if self.evaluation is not None else bool(self.run.cold_start.data)
+        wants_sft = self.evaluation.sft if self.evaluation is not None else bool(self.settings.cold_start.data)
         return Checkpoint(self.run_folder.sft.checkpoint) if wants_sft else None
 
 
