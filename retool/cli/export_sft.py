@@ -41,7 +41,7 @@ class Exported:
 
 def trained_steps(settings: RunSettings) -> list[int]:
     """The training steps whose trajectories are scored."""
-    return RunFolder(settings.run_dir).steps_with(layout.TRAJECTORIES)
+    return RunFolder(settings.run_dir).steps_with(layout.TRAJECTORIES_FILE)
 
 
 def export_stage(settings: RunSettings, steps: Sequence[int], out: Path) -> Exported:

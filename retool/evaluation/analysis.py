@@ -6,7 +6,7 @@ from pathlib import Path
 
 import polars as pl
 
-from retool.files.layout import METRICS, OBSERVATIONS, SUMMARY, TRAJECTORIES, RunFolder
+from retool.files.layout import METRICS_FILE, OBSERVATIONS_FILE, SUMMARY_FILE, TRAJECTORIES_FILE, RunFolder
 
 
 def _scan(paths: list[Path]) -> pl.LazyFrame | None:
@@ -19,7 +19,7 @@ def _empty(**schema) -> pl.DataFrame:
 
 def metrics_by_step(run: str | Path) -> pl.DataFrame:
     """One row per training step: the columns of step=NNNN/metrics.parquet."""
-    scan = _scan(RunFolder(Path(run)).step_files(METRICS))
+    scan = _scan(RunFolder(Path(run)).step_files(METRICS_FILE))
     if scan is None:
         return _empty(step=pl.Int64)
     metrics = scan.collect().sort("step")
@@ -29,7 +29,7 @@ def metrics_by_step(run: str | Path) -> pl.DataFrame:
 
 def tool_success_by_round(run: str | Path) -> pl.DataFrame:
     """Per step and round: calls run, and the share that ended ok, in error, or timed out."""
-    scan = _scan(RunFolder(Path(run)).round_files(OBSERVATIONS))
+    scan = _scan(RunFolder(Path(run)).round_files(OBSERVATIONS_FILE))
     if scan is None:
         return _empty(step=pl.Int32, round=pl.Int32, calls=pl.UInt32)
     return (
@@ -50,7 +50,7 @@ def tool_success_by_round(run: str | Path) -> pl.DataFrame:
 def sandbox_error_kinds(run: str | Path, up_to_step: int | None = None) -> pl.DataFrame:
     """Failed calls (of steps up to `up_to_step`, None: all) by the exception named on the last line of their
     output (Timeout for timeouts)."""
-    scan = _scan(RunFolder(Path(run)).round_files(OBSERVATIONS))
+    scan = _scan(RunFolder(Path(run)).round_files(OBSERVATIONS_FILE))
     if scan is None:
         return _empty(error=pl.String, calls=pl.UInt32)
     steps = pl.col("step") <= up_to_step if up_to_step is not None else pl.lit(True)
@@ -76,7 +76,7 @@ def sandbox_error_kinds(run: str | Path, up_to_step: int | None = None) -> pl.Da
 
 def length_distributions(run: str | Path) -> pl.DataFrame:
     """Per step: quantiles of trajectory length, of the model's own tokens, and of turns."""
-    scan = _scan(RunFolder(Path(run)).step_files(TRAJECTORIES))
+    scan = _scan(RunFolder(Path(run)).step_files(TRAJECTORIES_FILE))
     if scan is None:
         return _empty(step=pl.Int32)
     columns = ("trajectory_tokens", "sampled_tokens", "num_turns")
@@ -97,7 +97,7 @@ def length_distributions(run: str | Path) -> pl.DataFrame:
 
 def trajectory_lengths(run: str | Path) -> pl.DataFrame:
     """One row per trajectory: its step and its length in tokens (prompt, turns and observations)."""
-    scan = _scan(RunFolder(Path(run)).step_files(TRAJECTORIES))
+    scan = _scan(RunFolder(Path(run)).step_files(TRAJECTORIES_FILE))
     if scan is None:
         return _empty(step=pl.Int32, trajectory_tokens=pl.Int64)
     return scan.select("step", "trajectory_tokens").sort("step").collect()
@@ -105,7 +105,7 @@ def trajectory_lengths(run: str | Path) -> pl.DataFrame:
 
 def solve_rates(run: str | Path) -> pl.DataFrame:
     """Per question (example_id) and step: the share of its group that was correct."""
-    scan = _scan(RunFolder(Path(run)).step_files(TRAJECTORIES))
+    scan = _scan(RunFolder(Path(run)).step_files(TRAJECTORIES_FILE))
     if scan is None:
         return _empty(example_id=pl.String, step=pl.Int32, solve_rate=pl.Float64)
     return (
@@ -119,7 +119,7 @@ def solve_rates(run: str | Path) -> pl.DataFrame:
 def worst_trajectories(run: str | Path, count: int = 10, up_to_step: int | None = None) -> pl.DataFrame:
     """Wrong trajectories (of steps up to `up_to_step`, None: all) that cost the most tokens, with how they
     ended: the ones to read first."""
-    scan = _scan(RunFolder(Path(run)).step_files(TRAJECTORIES))
+    scan = _scan(RunFolder(Path(run)).step_files(TRAJECTORIES_FILE))
     if scan is None:
         return _empty(step=pl.Int32)
     steps = pl.col("step") <= up_to_step if up_to_step is not None else pl.lit(True)
@@ -148,7 +148,7 @@ def eval_by_checkpoint(run: str | Path) -> pl.DataFrame:
     """Every evaluation summary of the run: data set, mode, checkpoint step (-1 = base or the cold start),
     metrics, `evaluation` (its folder, e.g. `synthetic_eval-1a2b3c4d5e/retool-n4`: data and sampling), and
     `position`, the policy's place in training order (base -2, cold start -1, then steps)."""
-    paths = RunFolder(Path(run)).evaluation_files(SUMMARY)
+    paths = RunFolder(Path(run)).evaluation_files(SUMMARY_FILE)
     if not paths:
         return _empty(evaluation=pl.String, dataset=pl.String, mode=pl.String, step=pl.Int64, position=pl.Int64)
     evals = pl.concat(

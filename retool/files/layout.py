@@ -17,15 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-PROMPTS = "prompts.parquet"
-SAMPLES = "samples.parquet"
-OBSERVATIONS = "observations.parquet"
-TRAJECTORIES = "trajectories.parquet"
-DATUMS = "datums.parquet"
-METRICS = "metrics.parquet"
-SUMMARY = "summary.parquet"
-SFT_EXAMPLES = "examples.parquet"
-SFT_LOSSES = "losses.parquet"
+PROMPTS_FILE = "prompts.parquet"
+SAMPLES_FILE = "samples.parquet"
+OBSERVATIONS_FILE = "observations.parquet"
+TRAJECTORIES_FILE = "trajectories.parquet"
+DATUMS_FILE = "datums.parquet"
+METRICS_FILE = "metrics.parquet"
+SUMMARY_FILE = "summary.parquet"
+SFT_EXAMPLES_FILE = "examples.parquet"
+SFT_LOSSES_FILE = "losses.parquet"
 CHECKPOINT = "checkpoint"
 REPORT = "report.md"  # beside the report's plots
 TIMINGS = "_timings"  # per-stage wall times, one small JSON file per finished task
@@ -55,37 +55,37 @@ class StepFolder:
         return self.path / f"shard={shard:02d}" / f"round={round_index:02d}"
 
     def samples(self, shard: int, round_index: int) -> Path:
-        return self.round(shard, round_index) / SAMPLES
+        return self.round(shard, round_index) / SAMPLES_FILE
 
     def observations(self, shard: int, round_index: int) -> Path:
-        return self.round(shard, round_index) / OBSERVATIONS
+        return self.round(shard, round_index) / OBSERVATIONS_FILE
 
     def rounds(self, shard: int, count: int) -> list[RoundPaths]:
         """The first `count` rounds of one shard."""
         return [RoundPaths(self.samples(shard, r), self.observations(shard, r)) for r in range(count)]
 
     def all_observations(self) -> list[Path]:
-        return sorted(self.path.glob(f"{ROUNDS}/{OBSERVATIONS}"))
+        return sorted(self.path.glob(f"{ROUNDS}/{OBSERVATIONS_FILE}"))
 
     @property
     def prompts(self) -> Path:
-        return self.path / PROMPTS
+        return self.path / PROMPTS_FILE
 
     @property
     def trajectories(self) -> Path:
-        return self.path / TRAJECTORIES
+        return self.path / TRAJECTORIES_FILE
 
     @property
     def datums(self) -> Path:
-        return self.path / DATUMS
+        return self.path / DATUMS_FILE
 
     @property
     def metrics(self) -> Path:
-        return self.path / METRICS
+        return self.path / METRICS_FILE
 
     @property
     def summary(self) -> Path:
-        return self.path / SUMMARY
+        return self.path / SUMMARY_FILE
 
     @property
     def checkpoint(self) -> Path:
@@ -97,11 +97,11 @@ class StepFolder:
 
     @property
     def sft_examples(self) -> Path:
-        return self.path / SFT_EXAMPLES
+        return self.path / SFT_EXAMPLES_FILE
 
     @property
     def sft_losses(self) -> Path:
-        return self.path / SFT_LOSSES
+        return self.path / SFT_LOSSES_FILE
 
     @property
     def sft_progress(self) -> Path:
@@ -170,19 +170,23 @@ class RunFolder:
         return sorted(self.path.glob(pattern))
 
     def step_files(self, name: str) -> list[Path]:
-        """One kind of file of every training step: step_files(TRAJECTORIES)."""
+        """One kind of file of every training step: step_files(TRAJECTORIES_FILE)."""
         return self.glob(f"{STEPS}/{name}")
 
     def changed_since(self, made: Path, step: int) -> list[Path]:
         """The files a report of steps up to `step` draws (step metrics and trajectories, rounds, evaluation
         summaries) that were written after `made`."""
         since = made.stat().st_mtime_ns
-        files = [*self.step_files(METRICS), *self.step_files(TRAJECTORIES), *self.round_files(OBSERVATIONS)]
-        files += self.evaluation_files(SUMMARY)
+        files = [
+            *self.step_files(METRICS_FILE),
+            *self.step_files(TRAJECTORIES_FILE),
+            *self.round_files(OBSERVATIONS_FILE),
+        ]
+        files += self.evaluation_files(SUMMARY_FILE)
         return [path for path in files if _step_of(path) <= step and path.stat().st_mtime_ns > since]
 
     def steps_with(self, name: str) -> list[int]:
-        """The training steps that have written one kind of file: steps_with(TRAJECTORIES)."""
+        """The training steps that have written one kind of file: steps_with(TRAJECTORIES_FILE)."""
         return [_step_of(path) for path in self.step_files(name)]
 
     @property
@@ -191,9 +195,9 @@ class RunFolder:
         return self.path / "exported-sft.jsonl"
 
     def round_files(self, name: str) -> list[Path]:
-        """One kind of round file of every training step: round_files(OBSERVATIONS)."""
+        """One kind of round file of every training step: round_files(OBSERVATIONS_FILE)."""
         return self.glob(f"{STEPS}/{ROUNDS}/{name}")
 
     def evaluation_files(self, name: str) -> list[Path]:
-        """One kind of file of every evaluation of every checkpoint: evaluation_files(SUMMARY)."""
+        """One kind of file of every evaluation of every checkpoint: evaluation_files(SUMMARY_FILE)."""
         return self.glob(f"eval/*/*/step=*/{name}")
