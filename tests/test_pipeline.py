@@ -16,7 +16,8 @@ import pipeline.tasks
 import retool.sampling.engines
 from retool.evaluation.metrics import stage_timings
 from retool.files.tables import OBSERVATIONS, SAMPLES, SFT_LOSSES, TRAJECTORIES, read_table, table_from_rows
-from retool.rollout.stage_tables import observation_row, trajectories_table
+from retool.rollout.rows import observation_row
+from retool.rollout.stage_tables import trajectories_table
 from retool.rollout.state import rollout_in_memory
 from retool.run.context import protocol_for, sandbox_for
 from retool.sampling.scripted import ScriptedSampler

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import pyarrow as pa
-
 if TYPE_CHECKING:  # the trainer reads datums without the rollout's dependencies
     from retool.rollout.state import Trajectory
 
@@ -89,18 +87,3 @@ def build_datum(trajectory: Trajectory, trainer_max_tokens: int) -> Datum:
 def build_datums(trajectories: list[Trajectory], trainer_max_tokens: int) -> list[Datum]:
     """A datum for every trajectory whose advantage is not zero (the others carry no signal)."""
     return [build_datum(t, trainer_max_tokens) for t in trajectories if t.advantage and t.turns]
-
-
-def datums_from_table(table: pa.Table) -> list[Datum]:
-    return [
-        Datum(
-            row["question_index"],
-            row["group_index"],
-            row["input_tokens"],
-            row["target_tokens"],
-            row["old_logprobs"],
-            row["advantages"],
-            row["loss_mask"],
-        )
-        for row in table.to_pylist()
-    ]

@@ -10,11 +10,11 @@ from pathlib import Path
 import pyarrow as pa
 
 from retool.config.rollout import RolloutConfig
-from retool.data.examples import MathExample
 from retool.files.layout import RoundPaths
 from retool.files.tables import OBSERVATIONS, PROMPTS, SAMPLES, read_table
 from retool.protocol.chat import ChatProtocol
-from retool.rollout.state import AssistantTurn, ToolCall, Trajectory, start_trajectories
+from retool.rollout.rows import example_of, restore_observation, turn_of
+from retool.rollout.state import Trajectory, start_trajectories
 
 
 class StaleInputError(ValueError):
@@ -36,8 +36,9 @@ def replay(
 ) -> list[Trajectory]:
     """The trajectories of one shard as they stand after `rounds`, rebuilt from the files alone."""
     rows = [row for row in prompts.to_pylist() if shard_of(row["question_index"], config.shards) == shard]
-    examples = [MathExample(row["example_id"], row["question"], row["answer"], row["data_source"]) for row in rows]
-    trajectories = start_trajectories(examples, protocol, config, [row["question_index"] for row in rows])
+    trajectories = start_trajectories(
+        [example_of(row) for row in rows], protocol, config, [row["question_index"] for row in rows]
+    )
     stored = {row["question_index"]: list(row["prompt_tokens"]) for row in rows}
     for trajectory in trajectories:
         if trajectory.next_prompt_tokens != stored[trajectory.question_index]:
@@ -49,36 +50,11 @@ def replay(
     for files in rounds:
         for row in files.samples.to_pylist():
             trajectory = by_branch[(row["question_index"], row["group_index"])]
-            trajectory.turns.append(
-                AssistantTurn(
-                    row["prompt_tokens"],
-                    row["completion_tokens"],
-                    row["logprobs"],
-                    row["text"],
-                    row["finish_reason"],
-                    row["seed"],
-                )
-            )
+            trajectory.turns.append(turn_of(row))
             trajectory.messages.append(protocol.assistant_message(row["text"]))
         for row in files.observations.to_pylist():
-            _restore_observation(by_branch[(row["question_index"], row["group_index"])], row, protocol)
+            restore_observation(by_branch[(row["question_index"], row["group_index"])], row, protocol)
     return trajectories
-
-
-def _restore_observation(trajectory: Trajectory, row: dict, protocol: ChatProtocol) -> None:
-    if row["kind"] is not None:
-        turn = trajectory.turns[-1]
-        turn.kind = row["kind"]
-        if row["call_id"] is not None:
-            turn.tool_call = ToolCall(
-                row["call_id"], row["code"], row["exec_status"], row["exec_seconds"], row["tool_content"]
-            )
-            if not row["done"]:  # executed and appended
-                trajectory.messages.append(protocol.tool_message(row["tool_content"], row["call_id"]))
-    trajectory.code_calls = row["code_calls"]
-    trajectory.next_prompt_tokens = row["next_prompt_tokens"]
-    if row["done"]:
-        trajectory.done, trajectory.stop_reason, trajectory.final_text = True, row["stop_reason"], row["final_text"]
 
 
 def replay_files(

@@ -12,8 +12,17 @@ from retool.config.rollout import RolloutConfig
 from retool.data.examples import MathExample
 from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
 from retool.protocol.chat import ChatProtocol
-from retool.rollout.datums import build_datums, trajectory_sequence
+from retool.rollout.datums import build_datums
 from retool.rollout.replay import StaleInputError
+from retool.rollout.rows import (
+    datum_row,
+    observation_row,
+    prompt_row,
+    restore_score,
+    sample_row,
+    sequence_of,
+    trajectory_row,
+)
 from retool.rollout.scoring import end_step
 from retool.rollout.state import (
     Trajectory,
@@ -21,24 +30,16 @@ from retool.rollout.state import (
     apply_samples,
     plan_requests,
     sampling_settings,
+    turn_text,
 )
 from retool.sampling.contract import SampledSequence, Sampler, SampleRequest, sample_checked
 
 
 def prompts_table(examples: Sequence[MathExample], protocol: ChatProtocol, step: int) -> pa.Table:
-    rows = []
-    for question_index, example in enumerate(examples):
-        rows.append(
-            {
-                "step": step,
-                "question_index": question_index,
-                "example_id": example.id,
-                "question": example.question,
-                "answer": example.answer,
-                "data_source": example.data_source,
-                "prompt_tokens": protocol.build_prompt(protocol.initial_messages(example.question)),
-            }
-        )
+    rows = [
+        prompt_row(step, index, example, protocol.build_prompt(protocol.initial_messages(example.question)))
+        for index, example in enumerate(examples)
+    ]
     return table_from_rows(rows, PROMPTS)
 
 
@@ -54,23 +55,11 @@ def samples_table(
     engine is only loaded when there is something to sample."""
     requests = plan_requests(trajectories, protocol, config, step)
     replies = sample_checked(get_sampler(), requests, sampling_settings(config, protocol)) if requests else []
-    rows = []
-    for request, sequences in zip(requests, replies, strict=True):
-        for group_index, sequence in zip(request.group_indices, sequences, strict=True):
-            rows.append(
-                {
-                    "step": step,
-                    "round": round_index,
-                    "question_index": request.question_index,
-                    "group_index": group_index,
-                    "prompt_tokens": list(request.prompt_tokens),
-                    "completion_tokens": list(sequence.tokens),
-                    "logprobs": list(sequence.logprobs),
-                    "text": protocol.decode(list(sequence.tokens)).strip(),
-                    "finish_reason": sequence.finish_reason,
-                    "seed": request.seed,
-                }
-            )
+    rows = [
+        sample_row(step, round_index, request, group_index, sequence, turn_text(protocol, sequence))
+        for request, sequences in zip(requests, replies, strict=True)
+        for group_index, sequence in zip(request.group_indices, sequences, strict=True)
+    ]
     return table_from_rows(rows, SAMPLES)
 
 
@@ -94,9 +83,7 @@ def _replies_from_samples(
                     f"round {round_index}: samples for question {request.question_index} branch {group_index} were "
                     "drawn from another prompt or seed; re-run its SampleRound"
                 )
-            sequences.append(
-                SampledSequence(tuple(row["completion_tokens"]), tuple(row["logprobs"]), row["finish_reason"])
-            )
+            sequences.append(sequence_of(row))
         replies.append(sequences)
     return replies
 
@@ -121,30 +108,6 @@ def observations_table(
     return table_from_rows([observation_row(t, step, round_index) for t in live], OBSERVATIONS)
 
 
-def observation_row(trajectory: Trajectory, step: int, round_index: int) -> dict:
-    sampled = len(trajectory.turns) == round_index + 1
-    turn = trajectory.turns[-1] if sampled else None
-    call = turn.tool_call if turn else None
-    return {
-        "step": step,
-        "round": round_index,
-        "question_index": trajectory.question_index,
-        "group_index": trajectory.group_index,
-        "kind": turn.kind if turn else None,
-        "code": call.code if call else None,
-        "call_id": call.call_id if call else None,
-        "exec_status": call.status if call else None,
-        "exec_seconds": call.seconds if call else None,
-        "tool_content": call.content if call else None,
-        "next_prompt_tokens": trajectory.next_prompt_tokens,
-        "code_calls": trajectory.code_calls,
-        "turns": len(trajectory.turns),
-        "done": trajectory.done,
-        "stop_reason": trajectory.stop_reason,
-        "final_text": trajectory.final_text if trajectory.done else None,
-    }
-
-
 def scored_table(trajectories: Sequence[Trajectory], step: int, keep_limit: int | None = None) -> pa.Table:
     """ScoreTrajectories: the end of the step (`end_step`) once the last round's files say every trajectory
     has ended."""
@@ -157,33 +120,7 @@ def scored_table(trajectories: Sequence[Trajectory], step: int, keep_limit: int 
 
 
 def trajectories_table(trajectories: Sequence[Trajectory], step: int) -> pa.Table:
-    rows = []
-    for t in trajectories:
-        sequence = trajectory_sequence(t)
-        rows.append(
-            {
-                "step": step,
-                "question_index": t.question_index,
-                "group_index": t.group_index,
-                "example_id": t.example.id,
-                "data_source": t.example.data_source,
-                "answer": t.example.answer,
-                "num_turns": len(t.turns),
-                "code_calls": t.code_calls,
-                "code_calls_ok": sum(turn.tool_call is not None and turn.tool_call.status == "ok" for turn in t.turns),
-                "stop_reason": t.stop_reason,
-                "final_text": t.final_text,
-                "extracted_answer": t.extracted_answer,
-                "valid_format": t.valid_format,
-                "correct": t.correct,
-                "reward": t.reward,
-                "advantage": t.advantage,
-                "kept": t.kept,
-                "trajectory_tokens": len(sequence.tokens),
-                "sampled_tokens": sum(sequence.is_action),
-            }
-        )
-    return table_from_rows(rows, TRAJECTORIES)
+    return table_from_rows([trajectory_row(t, step) for t in trajectories], TRAJECTORIES)
 
 
 def datums_table(trajectories: Sequence[Trajectory], scored: pa.Table, step: int, trainer_max_tokens: int) -> pa.Table:
@@ -191,23 +128,9 @@ def datums_table(trajectories: Sequence[Trajectory], scored: pa.Table, step: int
     assigned."""
     rows = {(row["question_index"], row["group_index"]): row for row in scored.to_pylist()}
     for trajectory in trajectories:
-        row = rows[(trajectory.question_index, trajectory.group_index)]
-        trajectory.advantage, trajectory.kept = row["advantage"], row["kept"]
+        restore_score(trajectory, rows[(trajectory.question_index, trajectory.group_index)])
     ordered = sorted((t for t in trajectories if t.kept), key=lambda t: (t.question_index, t.group_index))
-    rows = [
-        {
-            "step": step,
-            "question_index": d.question_index,
-            "group_index": d.group_index,
-            "input_tokens": d.input_tokens,
-            "target_tokens": d.target_tokens,
-            "old_logprobs": d.old_logprobs,
-            "advantages": d.advantages,
-            "loss_mask": d.loss_mask,
-            "num_tokens": d.num_tokens,
-        }
-        for d in build_datums(ordered, trainer_max_tokens)
-    ]
+    rows = [datum_row(datum, step) for datum in build_datums(ordered, trainer_max_tokens)]
     return table_from_rows(rows, DATUMS)
 
 

@@ -189,6 +189,11 @@ def stop_reason_of(
     return "answer" if kind == "answer" else "invalid"
 
 
+def turn_text(protocol: ChatProtocol, sequence: SampledSequence) -> str:
+    """A sampled turn's text: decoded from its tokens (never trusted separately), stripped."""
+    return protocol.decode(list(sequence.tokens)).strip()
+
+
 def begin_advance(
     trajectory: Trajectory,
     sequence: SampledSequence,
@@ -198,7 +203,7 @@ def begin_advance(
 ) -> PendingExecution | None:
     """Records the sampled turn first, then parses it: a runnable tool call becomes a pending
     execution; anything else ends the trajectory."""
-    text = protocol.decode(list(sequence.tokens)).strip()  # text from the tokens, never trusted separately
+    text = turn_text(protocol, sequence)
     turn = AssistantTurn(
         list(request.prompt_tokens),
         list(sequence.tokens),

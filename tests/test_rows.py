@@ -1,0 +1,70 @@
+"""Each row mapping of retool/rollout/rows.py writes exactly its file's columns, and what it writes reads back."""
+
+from __future__ import annotations
+
+from retool.data.examples import MathExample
+from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
+from retool.rollout.datums import Datum
+from retool.rollout.rows import (
+    datum_of,
+    datum_row,
+    example_of,
+    observation_row,
+    prompt_row,
+    restore_observation,
+    sample_row,
+    sequence_of,
+    trajectory_row,
+    turn_of,
+)
+from retool.rollout.state import AssistantTurn, ToolCall, Trajectory
+from retool.sampling.contract import SampledSequence, SampleRequest
+
+EXAMPLE = MathExample("q-1", "What is 6 * 7?", "42", "arithmetic")
+
+
+def ended_trajectory() -> Trajectory:
+    turn = AssistantTurn([1, 2], [3, 4], [-0.5, -0.25], "print(6 * 7)", "stop", 11, "tool")
+    turn.tool_call = ToolCall("code-0-1-1", "print(6 * 7)", "ok", 0.01, "42")
+    answer = AssistantTurn([1, 2, 3, 4, 5], [6, 7], [-0.1, -0.2], r"\boxed{42}", "stop", 12, "answer")
+    trajectory = Trajectory(EXAMPLE, 0, 1, [], turns=[turn, answer], code_calls=1)
+    trajectory.end("answer", r"\boxed{42}")
+    trajectory.reward, trajectory.correct, trajectory.valid_format, trajectory.advantage = 1.0, True, True, 0.5
+    return trajectory
+
+
+def test_every_row_has_exactly_its_files_columns(hermes):
+    request = SampleRequest(0, (0, 1), (1, 2), 8, seed=11)
+    sequence = SampledSequence((3, 4), (-0.5, -0.25), "stop")
+    trajectory = ended_trajectory()
+    datum = Datum(0, 1, [1, 2, 3], [2, 3, 4], [0.0, -0.5, -0.25], [0.0, 0.5, 0.5], [False, True, True])
+    rows = {
+        PROMPTS: prompt_row(0, 0, EXAMPLE, [1, 2]),
+        SAMPLES: sample_row(0, 0, request, 1, sequence, "print(6 * 7)"),
+        OBSERVATIONS: observation_row(trajectory, 0, 1),
+        TRAJECTORIES: trajectory_row(trajectory, 0),
+        DATUMS: datum_row(datum, 0),
+    }
+    for schema, row in rows.items():
+        assert list(row) == schema.names
+        table_from_rows([row], schema)  # every value of its column's type
+
+
+def test_what_is_written_reads_back(hermes):
+    request = SampleRequest(0, (0, 1), (1, 2), 8, seed=11)
+    sequence = SampledSequence((3, 4), (-0.5, -0.25), "stop")
+    row = sample_row(0, 0, request, 1, sequence, "print(6 * 7)")
+    assert sequence_of(row) == sequence
+    assert turn_of(row) == AssistantTurn([1, 2], [3, 4], [-0.5, -0.25], "print(6 * 7)", "stop", 11)
+    assert example_of(prompt_row(0, 0, EXAMPLE, [1])) == EXAMPLE
+    datum = Datum(0, 1, [1, 2, 3], [2, 3, 4], [0.0, -0.5, -0.25], [0.0, 0.5, 0.5], [False, True, True])
+    assert datum_of(datum_row(datum, 0)) == datum
+    ended = ended_trajectory()
+    restored = Trajectory(EXAMPLE, 0, 1, [], turns=[AssistantTurn([1, 2], [3, 4], [-0.5], "x", "stop", 11)])
+    restore_observation(restored, observation_row(ended, 0, 1), hermes)
+    assert (restored.done, restored.stop_reason, restored.final_text, restored.code_calls) == (
+        True,
+        "answer",
+        r"\boxed{42}",
+        1,
+    )
