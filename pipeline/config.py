@@ -59,13 +59,7 @@ def _settings(sections: tuple, command_line: int) -> RunSettings:
             parameters = luigi_class()
         except ValueError as error:  # Luigi could not parse a value: its parameter is named in the message
             raise _unparsable(name, error) from None
-        try:
-            values[name] = config(**{f.name: getattr(parameters, f.name) for f in setting_fields(name, config)})
-        except SettingsError:
-            raise
-        except ValueError as error:  # "TrainerConfig.learning_rate = -1.0: must be > 0" names [trainer] learning_rate
-            message = re.sub(rf"^{config.__name__}[.:]\s*", "", str(error))
-            raise SettingsError(f"setting [{name}] {message}") from None
+        values[name] = config(**{f.name: getattr(parameters, f.name) for f in setting_fields(name, config)})
     return RunSettings(**values)
 
 

@@ -111,7 +111,7 @@ def test_chat_template_arguments_must_be_a_json_object():
         "enable_thinking": False,
         "reasoning_effort": "low",
     }
-    with pytest.raises(SettingsError, match="chat_template_kwargs is not valid JSON"):
+    with pytest.raises(SettingsError, match=r"\[model\] chat_template_kwargs = .*: must be a JSON object \(Expecting"):
         ModelConfig(chat_template_kwargs="{enable_thinking: true")
     with pytest.raises(SettingsError, match="must be a JSON object"):
         ModelConfig(chat_template_kwargs="[1]")

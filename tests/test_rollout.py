@@ -223,7 +223,7 @@ def test_edge_4_room_is_reserved_for_the_tool_wrapper(hermes):
 
 
 def test_edge_5_rollout_context_over_trainer_context_is_rejected():
-    with pytest.raises(ValueError, match="exceeds the trainer's context"):
+    with pytest.raises(ValueError, match="max_trajectory_tokens = 16384: must be at most trainer_max_tokens = 8192"):
         RolloutConfig(max_trajectory_tokens=16384, trainer_max_tokens=8192)
 
 
@@ -279,7 +279,7 @@ def _request():
 )
 @pytest.mark.parametrize("value", [0, -1])
 def test_edge_8_non_positive_settings_are_rejected(field, value):
-    with pytest.raises(ValueError, match=f"RolloutConfig.{field} = {value}: must be a positive integer"):
+    with pytest.raises(ValueError, match=rf"setting \[rollout\] {field} = {value}: must be a positive integer"):
         RolloutConfig(**{field: value})
 
 

@@ -135,7 +135,10 @@ except OSError as error:
 
 
 def test_an_extra_path_that_does_not_exist_is_refused():
-    with pytest.raises(ValueError, match="extra_ro_paths: '/no/such/folder' is not an absolute path that exists"):
+    with pytest.raises(
+        ValueError,
+        match="extra_ro_paths = '/no/such/folder': must be absolute paths of folders or files that exist; not /no/such",
+    ):
         SandboxConfig(extra_ro_paths="/no/such/folder")
 
 

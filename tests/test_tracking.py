@@ -109,7 +109,9 @@ def test_scalars_are_the_numbers_but_flags_and_the_step():
 
 
 def test_an_unknown_or_missing_tracker_is_refused_naming_the_setting(monkeypatch):
-    with pytest.raises(SettingsError, match=r"\[run\] tracker must be one of none, tensorboard, wandb, mlflow"):
+    with pytest.raises(
+        SettingsError, match=r"\[run\] tracker = 'neptune': must be one of none, tensorboard, wandb, mlflow"
+    ):
         RunConfig(tracker="neptune")
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(

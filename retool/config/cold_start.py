@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from retool.config.checks import require
 
 
 @dataclass(frozen=True)
 class ColdStartConfig:
+    SECTION: ClassVar[str] = "cold_start"  # its luigi.cfg section, named by `require`
     # JSONL of tool-integrated solutions to fine-tune on before RL; "" or "none" (the way to say it on a command
     # line, where Luigi drops an empty value): no cold start, RL starts from the model
     data: str = ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from retool.config.checks import require
 
@@ -45,6 +46,7 @@ def seed_field(seed: int, name: str) -> int:
 
 @dataclass(frozen=True)
 class RolloutConfig:
+    SECTION: ClassVar[str] = "rollout"  # its luigi.cfg section, named by `require`
     group_size: int = 8  # trajectories sampled per question (the GRPO group)
     max_code_calls: int = 4  # tool observations a trajectory may receive
     max_assistant_turns: int = 6  # assistant generations a trajectory may have
@@ -78,21 +80,22 @@ class RolloutConfig:
                 self, name, isinstance(value, int) and not isinstance(value, bool) and value > 0, "a positive integer"
             )
         require(self, "eval_shard_sequences", self.eval_shard_sequences >= 0, ">= 0")
-        if self.max_trajectory_tokens > self.trainer_max_tokens:
-            raise ValueError(
-                f"RolloutConfig.max_trajectory_tokens={self.max_trajectory_tokens} exceeds the trainer's context "
-                f"trainer_max_tokens={self.trainer_max_tokens}: trajectories could not be trained on"
-            )
-        if self.min_tool_response_tokens > self.max_tool_response_tokens:
-            raise ValueError(
-                f"RolloutConfig.min_tool_response_tokens={self.min_tool_response_tokens} exceeds "
-                f"max_tool_response_tokens={self.max_tool_response_tokens}"
-            )
+        within = self.max_trajectory_tokens <= self.trainer_max_tokens
+        context = f"at most trainer_max_tokens = {self.trainer_max_tokens}, else trajectories could not be trained on"
+        require(self, "max_trajectory_tokens", within, context)
+        fits = self.min_tool_response_tokens <= self.max_tool_response_tokens
+        require(
+            self,
+            "min_tool_response_tokens",
+            fits,
+            f"at most max_tool_response_tokens = {self.max_tool_response_tokens}",
+        )
         require(self, "temperature", self.temperature > 0, "> 0")
         require(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
-        limits = {"seed": self.seed, "group_index": self.group_size - 1, "turn": self.max_assistant_turns - 1}
+        # The seed layout's fields these settings fill: a branch index up to group_size - 1, a turn up to the last.
+        limits = {"seed": ("seed", 0), "group_index": ("group_size", 1), "turn": ("max_assistant_turns", 1)}
         for name, bits in SEED_FIELDS:
-            if name in limits and not 0 <= limits[name] < 2**bits:
-                raise ValueError(
-                    f"RolloutConfig: {name} up to {limits[name]} does not fit the seed layout ({bits} bits)"
-                )
+            if name in limits:
+                setting, offset = limits[name]
+                fits = 0 <= getattr(self, setting) - offset < 2**bits
+                require(self, setting, fits, f"below {2**bits + offset}, for the seed layout's {bits} bits of {name}")

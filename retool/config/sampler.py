@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
+from retool.config.checks import require
 from retool.config.precision import bfloat16_native
 
 ENGINES = ("auto", "vllm", "vllm-server", "hf")
@@ -11,6 +13,7 @@ ENGINES = ("auto", "vllm", "vllm-server", "hf")
 
 @dataclass(frozen=True)
 class SamplerConfig:
+    SECTION: ClassVar[str] = "sampler"  # its luigi.cfg section, named by `require`
     # vllm (in-process) | vllm-server (vLLM's OpenAI-compatible server, shared by every process) | hf | auto (vllm
     # on a GPU, hf on a CPU) | scripted:MODULE:FUNCTION (FUNCTION(settings) returns the sampler)
     engine: str = "auto"
@@ -27,20 +30,10 @@ class SamplerConfig:
 
     def __post_init__(self) -> None:
         scripted = self.engine.startswith("scripted:") and self.engine.count(":") == 2
-        if self.engine not in ENGINES and not scripted:
-            raise ValueError(
-                f"SamplerConfig.engine must be auto, vllm, hf or scripted:MODULE:FUNCTION, got {self.engine!r}"
-            )
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"SamplerConfig.dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.request_timeout_seconds <= 0:
-            raise ValueError(
-                f"SamplerConfig.request_timeout_seconds must be positive, got {self.request_timeout_seconds}"
-            )
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(
-                f"SamplerConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
-            )
+        require(self, "engine", self.engine in ENGINES or scripted, f"{', '.join(ENGINES)} or scripted:MODULE:FUNCTION")
+        require(self, "dtype", self.dtype in ("auto", "float32", "bfloat16"), "auto, float32 or bfloat16")
+        require(self, "request_timeout_seconds", self.request_timeout_seconds > 0, "positive")
+        require(self, "gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]")
 
 
 def engine_dtype(config: SamplerConfig, device: str) -> str:

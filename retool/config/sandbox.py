@@ -6,10 +6,14 @@ import math
 import os
 import sys
 from dataclasses import dataclass
+from typing import ClassVar
+
+from retool.config.checks import require
 
 
 @dataclass(frozen=True)
 class SandboxConfig:
+    SECTION: ClassVar[str] = "sandbox"  # its luigi.cfg section, named by `require`
     timeout_seconds: float = 10.0  # wall clock for one call, children included
     cpu_seconds: int = 0  # RLIMIT_CPU of the child; 0 = timeout_seconds, rounded up
     memory_mb: int = 2048  # RLIMIT_AS of the child (0 = no limit)
@@ -26,14 +30,16 @@ class SandboxConfig:
 
     def __post_init__(self) -> None:
         for name in ("timeout_seconds", "file_mb", "output_tail_bytes", "max_workers", "max_processes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"SandboxConfig.{name} must be positive, got {getattr(self, name)}")
+            require(self, name, getattr(self, name) > 0, "positive")
         for name in ("cpu_seconds", "memory_mb"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"SandboxConfig.{name} must be >= 0, got {getattr(self, name)}")
-        for path in self.readable_extra:
-            if not os.path.isabs(path) or not os.path.exists(path):
-                raise ValueError(f"SandboxConfig.extra_ro_paths: {path!r} is not an absolute path that exists")
+            require(self, name, getattr(self, name) >= 0, ">= 0")
+        missing = [p for p in self.readable_extra if not os.path.isabs(p) or not os.path.exists(p)]
+        require(
+            self,
+            "extra_ro_paths",
+            not missing,
+            f"absolute paths of folders or files that exist; not {', '.join(missing)}",
+        )
 
     @property
     def readable_extra(self) -> list[str]:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from retool.config.checks import SettingsError, require
 from retool.config.cold_start import ColdStartConfig
 from retool.config.rollout import RolloutConfig, seed_capacity
 from retool.config.sampler import SamplerConfig, engine_dtype
@@ -19,12 +20,9 @@ TRACKERS = ("none", "tensorboard", "wandb", "mlflow")  # see retool.evaluation.t
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct, built from a PyPI wheel
 
 
-class SettingsError(ValueError):
-    """A setting is invalid or does not fit this machine; the message names the setting."""
-
-
 @dataclass(frozen=True)
 class RunConfig:
+    SECTION: ClassVar[str] = "run"  # its luigi.cfg section, named by `require`
     name: str = "default"  # the run's folder under runs_dir
     runs_dir: str = "runs"
     device: str = "cuda"  # cuda | cpu
@@ -34,17 +32,15 @@ class RunConfig:
     tracker: str = "none"  # none | tensorboard | wandb | mlflow: where step scalars and evaluations are also logged
 
     def __post_init__(self) -> None:
-        if self.tracker not in TRACKERS:
-            raise SettingsError(f"setting [run] tracker must be one of {', '.join(TRACKERS)}, got {self.tracker!r}")
-        if self.device not in ("cuda", "cpu"):
-            raise SettingsError(f"setting [run] device must be cuda or cpu, got {self.device!r}")
+        require(self, "tracker", self.tracker in TRACKERS, f"one of {', '.join(TRACKERS)}")
+        require(self, "device", self.device in ("cuda", "cpu"), "cuda or cpu")
         for name in ("train_processes", "keep_last"):
-            if getattr(self, name) <= 0:
-                raise SettingsError(f"setting [run] {name} must be positive, got {getattr(self, name)}")
+            require(self, name, getattr(self, name) > 0, "positive")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    SECTION: ClassVar[str] = "model"  # its luigi.cfg section, named by `require`
     name: str = "Qwen/Qwen3.5-4B"  # a local folder, a model in the local Hugging Face cache, or "default"
     chat_template: str = ""  # path to a Jinja chat template; "" uses the model's own
     tool_format: str = "auto"  # xml | hermes | auto (detected from the template)
@@ -57,13 +53,8 @@ class ModelConfig:
         try:
             extra = json.loads(self.chat_template_kwargs)
         except json.JSONDecodeError as error:
-            raise SettingsError(
-                f"setting [model] chat_template_kwargs is not valid JSON ({error.msg}): {self.chat_template_kwargs!r}"
-            ) from None
-        if not isinstance(extra, dict):
-            raise SettingsError(
-                f"setting [model] chat_template_kwargs must be a JSON object, got {self.chat_template_kwargs!r}"
-            )
+            extra = error.msg
+        require(self, "chat_template_kwargs", isinstance(extra, dict), f"a JSON object ({extra})")
 
     def template_kwargs(self) -> dict[str, Any]:
         return {"enable_thinking": self.enable_thinking, **json.loads(self.chat_template_kwargs)}
@@ -71,6 +62,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
+    SECTION: ClassVar[str] = "data"  # its luigi.cfg section, named by `require`
     train: str = "data/synthetic_train.jsonl"  # training questions (native, AIME or DAPO layout)
     seed: int = 0  # shuffle of the training set
     questions_per_step: int = 8  # question groups a step trains on
@@ -79,13 +71,10 @@ class DataConfig:
     questions_drawn: int = 0
 
     def __post_init__(self) -> None:
-        if self.questions_per_step <= 0:
-            raise SettingsError(f"setting [data] questions_per_step must be positive, got {self.questions_per_step}")
-        if self.questions_drawn and self.questions_drawn < self.questions_per_step:
-            raise SettingsError(
-                f"setting [data] questions_drawn = {self.questions_drawn} is below questions_per_step = "
-                f"{self.questions_per_step}: dynamic sampling draws at least the questions a step trains on (0 = off)"
-            )
+        require(self, "questions_per_step", self.questions_per_step > 0, "positive")
+        drawn = not self.questions_drawn or self.questions_drawn >= self.questions_per_step
+        at_least = f"0 (off) or at least questions_per_step = {self.questions_per_step}: dynamic sampling draws them"
+        require(self, "questions_drawn", drawn, at_least)
 
     @property
     def questions_rolled_out(self) -> int:

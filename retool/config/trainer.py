@@ -4,6 +4,7 @@ precision (apart from the trainer itself, so that reading settings never imports
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from retool.config.checks import require
 from retool.config.precision import bfloat16_native
@@ -15,6 +16,7 @@ SWITCHES = ("auto", "true", "false")
 
 @dataclass(frozen=True)
 class TrainerConfig:
+    SECTION: ClassVar[str] = "trainer"  # its luigi.cfg section, named by `require`
     objective: str = "ppo"  # ppo (clipped surrogate on sampled tokens) | sft (negative log-likelihood, the cold start)
     lora_rank: int = 32  # 0 trains every weight
     lora_alpha: int = 64
@@ -51,20 +53,13 @@ class TrainerConfig:
         require(self, "max_grad_norm", self.max_grad_norm > 0, "> 0")
         require(self, "clip_low", 0 < self.clip_low < 1, "in (0, 1)")
         require(self, "clip_high", self.clip_high > 0, "> 0")
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"TrainerConfig.objective must be one of {OBJECTIVES}, got {self.objective!r}")
-        if self.loss_aggregation not in LOSS_AGGREGATIONS:
-            raise ValueError(
-                f"TrainerConfig.loss_aggregation must be one of {LOSS_AGGREGATIONS}, got {self.loss_aggregation!r}"
-            )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"TrainerConfig.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        require(self, "objective", self.objective in OBJECTIVES, f"one of {', '.join(OBJECTIVES)}")
+        aggregations = ", ".join(LOSS_AGGREGATIONS)
+        require(self, "loss_aggregation", self.loss_aggregation in LOSS_AGGREGATIONS, f"one of {aggregations}")
+        require(self, "dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}")
         # true and false also as JSON booleans (config.json of runs frozen when the setting was one)
         autocast = str(self.autocast_bfloat16).lower()
-        if autocast not in SWITCHES:
-            raise ValueError(
-                f"TrainerConfig.autocast_bfloat16 must be auto, true or false, got {self.autocast_bfloat16!r}"
-            )
+        require(self, "autocast_bfloat16", autocast in SWITCHES, "auto, true or false")
         object.__setattr__(self, "autocast_bfloat16", autocast)
         for name in ("micro_batch_items", "micro_batch_tokens", "ppo_mini_batches", "ppo_epochs"):
             require(self, name, getattr(self, name) > 0, "> 0")
