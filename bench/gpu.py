@@ -294,6 +294,22 @@ def save_load(workdir: Path, shape: dict, device: str) -> dict:
     }
 
 
+def run_phases(phases: dict[str, Callable[[], dict]], figures: dict, out: Path, deadline: float, device: str) -> None:
+    """Each phase's figures and seconds into `figures`, written to `out` after every phase (what is measured
+    survives a later failure); a phase that would start past `deadline` (time.monotonic) is named under
+    "skipped"."""
+    for name, phase in phases.items():
+        if time.monotonic() > deadline:
+            figures["skipped"].append(name)
+        else:
+            started = time.monotonic()
+            figures[name] = phase()
+            figures[name + "_seconds"] = round(time.monotonic() - started, 1)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+        out.write_text(json.dumps(figures, indent=2) + "\n")
+
+
 def _synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -323,16 +339,7 @@ def main() -> None:
             "full": lambda: policy_step(shape, full, device),
             "save_load": lambda: save_load(Path(workdir) / "save", shape, device),
         }
-        for name, phase in phases.items():
-            if time.monotonic() - started > args.deadline_seconds:
-                figures["skipped"].append(name)
-            else:
-                phase_started = time.monotonic()
-                figures[name] = phase()
-                figures[name + "_seconds"] = round(time.monotonic() - phase_started, 1)
-                if device == "cuda":
-                    torch.cuda.empty_cache()
-            args.out.write_text(json.dumps(figures, indent=2) + "\n")  # what is measured survives a later failure
+        run_phases(phases, figures, args.out, started + args.deadline_seconds, device)
     measured = figures.get("environment", {}).get("measured_matmul_tflops")
     for name in ("lora", "full"):
         if name in figures and measured:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu import random_datums
+from bench.gpu import random_datums, run_phases
 from retool.config.settings import RunSettings
 from retool.config.trainer import TrainerConfig
 from retool.rollout.datums import Datum
@@ -269,14 +269,7 @@ def main() -> None:
             "full_reload": lambda: full_reload(engine, model, workdir, full, max_tokens),
             "shared_adapter": lambda: engine.close() or shared_adapter(model, workdir, lora, device, max_tokens),
         }
-        for name, phase in phases.items():
-            if time.monotonic() - started > args.deadline_seconds:
-                figures["skipped"].append(name)
-            else:
-                phase_started = time.monotonic()
-                figures[name] = phase()
-                figures[name + "_seconds"] = round(time.monotonic() - phase_started, 1)
-            args.out.write_text(json.dumps(figures, indent=2) + "\n")  # what is measured survives a later failure
+        run_phases(phases, figures, args.out, started + args.deadline_seconds, device)
         engine.close()
     print(json.dumps(figures, indent=2))
 

@@ -7,12 +7,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from retool.config.settings import RunSettings
-from retool.evaluation.spec import EvalSpec, evaluation_settings
+from retool.evaluation.spec import EvalSpec
 from retool.files.layout import RoundPaths
 from retool.files.tables import SAMPLES, read_table, write_table_atomically
-from retool.rollout.replay import replay_files
 from retool.rollout.stage_tables import describe_observations, observations_table
-from retool.run.context import protocol_for, sandbox_for
+from retool.run.context import replayed_shard, sandbox_for
 
 
 def execute_round(
@@ -28,9 +27,7 @@ def execute_round(
     status: Callable[[str], None] = lambda message: None,  # the task's status line in the scheduler
 ) -> str:
     """`rounds`: the shard's rounds before this one; `samples`: this round's."""
-    settings = evaluation_settings(run, evaluation)
-    protocol = protocol_for(settings.model)
-    trajectories = replay_files(prompts, rounds, protocol, settings.rollout, shard)
+    settings, protocol, trajectories = replayed_shard(prompts, rounds, run, evaluation, shard)
     sampled = read_table(samples, SAMPLES)
     status(f"running the tool calls of {sampled.num_rows} turns")
     sandbox = sandbox_for(settings.sandbox)

@@ -6,12 +6,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from retool.config.settings import RunSettings
-from retool.evaluation.spec import EvalSpec, evaluation_settings
+from retool.evaluation.spec import EvalSpec
 from retool.files.layout import RoundPaths
 from retool.files.tables import write_table_atomically
-from retool.rollout.replay import replay_files
 from retool.rollout.stage_tables import describe_samples, samples_table
-from retool.run.context import policy_of, protocol_for
+from retool.run.context import policy_of, replayed_shard
 from retool.sampling import engines
 
 
@@ -28,10 +27,7 @@ def sample_round(
     status: Callable[[str], None] = lambda message: None,  # the task's status line in the scheduler
 ) -> str:
     """`rounds`: the shard's rounds before this one; `checkpoint`: the policy to sample (None: the model setting)."""
-    settings = evaluation_settings(run, evaluation)
-    protocol = protocol_for(settings.model)
-    # The state of each trajectory is rebuilt from the files, never stored: a re-run starts from what they say.
-    trajectories = replay_files(prompts, rounds, protocol, settings.rollout, shard)
+    settings, protocol, trajectories = replayed_shard(prompts, rounds, run, evaluation, shard)
     status(f"sampling for {sum(not t.done for t in trajectories)} live trajectories")
 
     def sampler():  # loaded, and switched to the policy, only when there is something to sample

@@ -38,10 +38,14 @@ def train_step(
     run: RunSettings,
     step: int,
 ) -> str:
-    """`previous`: the checkpoint of the step before (None: the RL base model); `observations`: every round's, and
-    `timings`: the rollout stages' wall times, for the metrics."""
+    """`previous`: the checkpoint the step's samples came from (None: the model setting); `observations`: every
+    round's, and `timings`: the rollout stages' wall times, for the metrics."""
     from retool.training.checkpoints import prune_checkpoints  # torch: only once a step trains
     from retool.training.step import StepInputs
+
+    folder = RunFolder(run.run_dir)
+    if previous == folder.sft.checkpoint:  # the cold start's weights are the RL base itself: step 0 starts afresh
+        previous = None
 
     kept = [row for row in read_table(trajectories, TRAJECTORIES).to_pylist() if row["kept"]]
     inputs = StepInputs(
@@ -57,7 +61,6 @@ def train_step(
     training = _train(inputs, run) if run.run.train_processes > 1 else _train_here(inputs, run.run.device)
     reclaim_sampler_memory(run)
     # Old checkpoints' weights go once this one is written (metrics and markers stay).
-    folder = RunFolder(run.run_dir)
     prune_checkpoints([(s, folder.step(s).checkpoint) for s in range(step + 1)], run.run.keep_last, run.run.keep_every)
     line = write_metrics(trajectories, observations, timings, training, metrics, run, step)
     return f"{describe_metrics(training)}\n  {line}"

@@ -254,10 +254,9 @@ class TrainStep(RunTask):
     def run(self):
         self.set_status_message("training one PPO step")
         inputs, outputs = self.input(), self.output()
-        previous = checkpoint_of(inputs) if self.step > 0 else None  # step 0 trains the RL base (the cold start's)
         self.summary = train_step(
             path(inputs["datums"]), path(inputs["trajectories"]), [path(t) for t in inputs["observations"]],
-            previous, path(outputs["checkpoint"]).parent, path(outputs["metrics"]),
+            checkpoint_of(inputs), path(outputs["checkpoint"]).parent, path(outputs["metrics"]),
             self.context.folder.timings, self.context.settings, self.step,
         )  # fmt: skip
 

@@ -6,6 +6,7 @@ the sandbox's pre-warmed servers)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -17,8 +18,10 @@ from retool.data.conversations import read_conversations
 from retool.data.examples import MathExample, shuffled, take_batch
 from retool.evaluation.spec import EvalSpec, _examples, evaluation_settings
 from retool.evaluation.tracking import Tracker, check_tracker
-from retool.files.layout import RunFolder, StepFolder
+from retool.files.layout import RoundPaths, RunFolder, StepFolder
 from retool.protocol.chat import ChatProtocol, load_tokenizer
+from retool.rollout.replay import replay_files
+from retool.rollout.state import Trajectory
 from retool.run.setup import (
     bfloat16_warning,
     check_machine,
@@ -119,6 +122,17 @@ def context_for(
 ) -> RunContext:
     """A task's context; tasks ask for it often, so each is built once."""
     return RunContext(run, step, evaluation, cold_start)
+
+
+def replayed_shard(
+    prompts: Path, rounds: Sequence[RoundPaths], run: RunSettings, evaluation: EvalSpec | None, shard: int
+) -> tuple[RunSettings, ChatProtocol, list[Trajectory]]:
+    """What a round of one shard starts from: the settings it runs under (the run's, or its evaluation's), their
+    protocol, and the shard's trajectories after `rounds`, rebuilt from those files (a round's state is never
+    stored: a re-run starts from what the files say)."""
+    settings = evaluation_settings(run, evaluation)
+    protocol = protocol_for(settings.model)
+    return settings, protocol, replay_files(prompts, rounds, protocol, settings.rollout, shard)
 
 
 def policy_of(settings: RunSettings, checkpoint: Path | None) -> Policy | None:
