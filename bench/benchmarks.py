@@ -17,7 +17,7 @@ from retool.config.settings import RunSettings, setting_fields
 from retool.protocol.chat import BUNDLED_TEMPLATE
 from retool.protocol.tool_calls import tool_call_text
 from retool.rollout.state import rollout_in_memory
-from retool.run.context import protocol_for, sandbox_for, step_examples
+from retool.run.shared import protocol_for, sandbox_for, step_examples
 from retool.sampling.contract import SampleRequest, SamplingSettings
 from retool.sampling.engines import sampler_for
 from retool.sampling.scripted import ScriptedSampler

@@ -52,7 +52,7 @@ def bench_learning(
     reuse: Path | None = None,
     against: Path | None = None,
 ) -> list[tuple[str, str]]:
-    from pipeline.tasks import BeforeAfter, Evaluate
+    from pipeline.evaluation import BeforeAfter, Evaluate
     from retool.evaluation.analysis import metrics_by_step
     from retool.evaluation.report import plot_learning_curve, save
 
@@ -86,7 +86,7 @@ def bench_learning(
     for row in metrics.iter_rows(named=True):
         rows.append((f"RL step {row['step']}", _step_line(row)))
     if against is not None:
-        final = Evaluate(step=steps - 1, n=samples).context.folder.path
+        final = Evaluate(step=steps - 1, n=samples).folder.path
         rows += _paired_against(final, against / final.relative_to(settings.run_dir))
     return rows
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from bench.benchmarks import REPO, default_run_settings, luigi_build
 from retool.config.settings import RunSettings, setting_fields
 from retool.rollout.state import rollout_in_memory
-from retool.run.context import protocol_for, rl_base_model, sandbox_for, step_examples
+from retool.run.shared import protocol_for, run_rl_base, sandbox_for, step_examples
 from retool.sampling.server import start_server, stop_server
 from retool.sandbox.call import Sandbox
 
@@ -53,7 +53,7 @@ def cold_started(workdir: Path) -> RunSettings:
 
     settings = default_run_settings().changed(run={"runs_dir": str(workdir), "name": "server-sft"})
     luigi_build(settings, ColdStart)
-    model = rl_base_model(settings)
+    model = run_rl_base(settings)
     return settings.changed(model={"name": str(model)}, cold_start={"data": ""}, trainer={"lora_rank": 0})
 
 

@@ -10,7 +10,7 @@ from retool.files.layout import RoundPaths
 from retool.files.tables import TRAJECTORIES, read_table, write_table_atomically
 from retool.rollout.replay import replay_shards
 from retool.rollout.stage_tables import datums_table, describe_datums
-from retool.run.context import protocol_for
+from retool.run.shared import protocol_for
 
 
 def build_datums(

@@ -11,7 +11,7 @@ from retool.evaluation.spec import EvalSpec
 from retool.files.layout import RoundPaths
 from retool.files.tables import SAMPLES, read_table, write_table_atomically
 from retool.rollout.stage_tables import describe_observations, observations_table
-from retool.run.context import replayed_shard, sandbox_for
+from retool.run.shared import replayed_shard, sandbox_for
 
 
 def execute_round(

@@ -8,7 +8,7 @@ from retool.config.settings import RunSettings
 from retool.evaluation.spec import EvalSpec, evaluation_settings
 from retool.files.tables import write_table_atomically
 from retool.rollout.stage_tables import describe_prompts, prompts_table
-from retool.run.context import protocol_for, step_examples
+from retool.run.shared import protocol_for, step_examples
 
 
 def prompts(out: Path, run: RunSettings, step: int, evaluation: EvalSpec | None = None) -> str:

@@ -10,14 +10,16 @@ from retool.evaluation.spec import EvalSpec
 from retool.files.layout import RoundPaths
 from retool.files.tables import write_table_atomically
 from retool.rollout.stage_tables import describe_samples, samples_table
-from retool.run.context import policy_of, replayed_shard
+from retool.run.shared import replayed_shard
 from retool.sampling import engines
+from retool.weights.models import policy_of
 
 
 def sample_round(
     prompts: Path,
     rounds: Sequence[RoundPaths],
     checkpoint: Path | None,
+    rl_base: Path | None,
     out: Path,
     run: RunSettings,
     step: int,
@@ -26,12 +28,13 @@ def sample_round(
     evaluation: EvalSpec | None = None,
     status: Callable[[str], None] = lambda message: None,  # the task's status line in the scheduler
 ) -> str:
-    """`rounds`: the shard's rounds before this one; `checkpoint`: the policy to sample (None: the model setting)."""
+    """`rounds`: the shard's rounds before this one; `checkpoint`: the policy to sample (None: the model setting);
+    `rl_base`: the cold start's checkpoint, which an RL adapter applies to (None: the model setting)."""
     settings, protocol, trajectories = replayed_shard(prompts, rounds, run, evaluation, shard)
     status(f"sampling for {sum(not t.done for t in trajectories)} live trajectories")
 
     def sampler():  # loaded, and switched to the policy, only when there is something to sample
-        return engines.sampler_for(run, policy_of(run, checkpoint), shard)
+        return engines.sampler_for(run, policy_of(checkpoint, rl_base, run.model.name), shard)
 
     table = samples_table(trajectories, sampler, protocol, settings.rollout, step, round_index)
     write_table_atomically(table, out)

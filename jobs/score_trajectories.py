@@ -12,7 +12,7 @@ from retool.files.layout import RoundPaths
 from retool.files.tables import write_table_atomically
 from retool.rollout.replay import replay_shards
 from retool.rollout.stage_tables import describe_trajectories, scored_table
-from retool.run.context import protocol_for
+from retool.run.shared import protocol_for
 
 
 def score_trajectories(

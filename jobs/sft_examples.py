@@ -8,7 +8,7 @@ from retool.config.settings import RunSettings, SettingsError
 from retool.data.conversations import read_conversations
 from retool.files.tables import write_table_atomically
 from retool.rollout.stage_tables import describe_datums
-from retool.run.context import protocol_for
+from retool.run.shared import protocol_for
 from retool.training.cold_start import sft_examples_table
 
 

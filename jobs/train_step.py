@@ -21,10 +21,11 @@ from retool.evaluation.tracking import Tracker, scalars
 from retool.files.layout import RunFolder
 from retool.files.tables import OBSERVATIONS, TRAJECTORIES, read_table, write_table_atomically
 from retool.rollout.scoring import zero_variance_groups
-from retool.run.context import rl_base_model, sandbox_for
+from retool.run.shared import sandbox_for
 from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memory
 from retool.training.record import StepMetrics, describe_metrics
 from retool.weights.checkpoint import Checkpoint
+from retool.weights.models import rl_base
 
 
 def train_step(
@@ -32,24 +33,22 @@ def train_step(
     trajectories: Path,
     observations: Sequence[Path],
     previous: Path | None,
+    cold_start: Path | None,
     checkpoint: Path,
     metrics: Path,
     timings: Path,
     run: RunSettings,
     step: int,
 ) -> str:
-    """`previous`: the checkpoint the step's samples came from (None: the model setting); `observations`: every
-    round's, and `timings`: the rollout stages' wall times, for the metrics."""
+    """`previous`: the step before's checkpoint, which the update starts from (None: step 0, from the RL base:
+    the cold start's checkpoint `cold_start`, or the model setting); `observations`: every round's, and
+    `timings`: the rollout stages' wall times, for the metrics."""
     from retool.training.checkpoints import prune_checkpoints  # torch: only once a step trains
     from retool.training.step import StepInputs
 
-    folder = RunFolder(run.run_dir)
-    if previous == folder.sft.checkpoint:  # the cold start's weights are the RL base itself: step 0 starts afresh
-        previous = None
-
     kept = [row for row in read_table(trajectories, TRAJECTORIES).to_pylist() if row["kept"]]
     inputs = StepInputs(
-        base_model=rl_base_model(run),
+        base_model=rl_base(cold_start, run.model.name),
         datums=datums,
         num_trajectories=len(kept),  # of the groups that train
         zero_variance_groups=zero_variance_groups((row["question_index"], row["reward"]) for row in kept),
@@ -61,6 +60,7 @@ def train_step(
     training = _train(inputs, run) if run.run.train_processes > 1 else _train_here(inputs, run.run.device)
     reclaim_sampler_memory(run)
     # Old checkpoints' weights go once this one is written (metrics and markers stay).
+    folder = RunFolder(run.run_dir)
     prune_checkpoints([(s, folder.step(s).checkpoint) for s in range(step + 1)], run.run.keep_last, run.run.keep_every)
     line = write_metrics(trajectories, observations, timings, training, metrics, run, step)
     return f"{describe_metrics(training)}\n  {line}"

@@ -4,14 +4,12 @@ import pipeline.cluster  # noqa: F401  (a node stays until its target is complet
 import pipeline.errors  # noqa: F401  (input errors as one line)
 import pipeline.outcome  # noqa: F401  (first: its exit handler runs last)
 from pipeline.config import SECTIONS  # noqa: F401  (the settings' Luigi config sections)
+from pipeline.evaluation import BeforeAfter, Evaluate, Report  # noqa: F401
 from pipeline.tasks import (  # noqa: F401
-    BeforeAfter,
     BuildDatums,
     ColdStart,
-    Evaluate,
     ExecuteRound,
     Prompts,
-    Report,
     SampleRound,
     ScoreTrajectories,
     SFTExamples,

@@ -7,43 +7,54 @@ from pathlib import Path
 
 import luigi
 
-from jobs.before_after import before_after
 from jobs.build_datums import build_datums
 from jobs.cold_start import cold_start
-from jobs.evaluate import evaluate
 from jobs.execute_round import execute_round
 from jobs.prompts import prompts
-from jobs.report import report
 from jobs.sample_round import sample_round
 from jobs.score_trajectories import score_trajectories
 from jobs.sft_examples import sft_examples
 from jobs.train_step import train_step
 from pipeline.config import EvalSpecParameter, current_settings
-from pipeline.inputs import checkpoint_of, path, round_paths
 from pipeline.outcome import note_end, note_failure, note_start, watch_if_named_on_the_command_line
+from retool.config.rollout import RolloutConfig
+from retool.config.settings import RunSettings
 from retool.evaluation.metrics import record_stage_seconds
-from retool.evaluation.scores import EVAL_MODES
-from retool.evaluation.spec import EvalSpec
-from retool.files.layout import REPORT
+from retool.evaluation.spec import EvalSpec, check_evaluated_checkpoint, evaluation_settings
+from retool.files.layout import RoundPaths, RunFolder, StepFolder
 from retool.files.tables import parquet_seconds
-from retool.run.context import RunContext, context_for, open_run
+from retool.run.setup import open_run
 from retool.weights.checkpoint import Checkpoint
 
 
 class RunTask(luigi.Task):
-    """A stage of one step of one run. Making one sets the run up (once per process): the command line
-    builds its task before Luigi schedules anything or forks worker processes."""
+    """A stage of one step of one run. Making one has no effect; the run is set up (`open_run`, once per process)
+    when Luigi first asks whether a task is complete, before it schedules anything or forks worker processes
+    (the command line asks of the task it names as soon as it is made)."""
 
     step = luigi.IntParameter(description="training step (an evaluation: the checkpoint; -1 the base model)")
+    evaluation: EvalSpec | None = None  # None: a stage of a training step
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        open_run(current_settings(), luigi.interface.core().workers)
-        self.context = self.make_context()  # an evaluation's data file is read here too
+        self.settings: RunSettings = current_settings()  # as the config files and the command line give them
         watch_if_named_on_the_command_line(self)
 
-    def make_context(self) -> RunContext:
-        return context_for(current_settings(), self.step)
+    @property
+    def rollout(self) -> RolloutConfig:
+        """What this task's rollout runs under: the run's, or its evaluation's (its questions, n samples each)."""
+        return evaluation_settings(self.settings, self.evaluation).rollout
+
+    @property
+    def run_folder(self) -> RunFolder:
+        return RunFolder(self.settings.run_dir)
+
+    @property
+    def folder(self) -> StepFolder:
+        """Where the task writes: its step's folder, or its evaluation's."""
+        if self.evaluation is None:
+            return self.run_folder.step(self.step)
+        return self.run_folder.evaluation(self.evaluation.name, self.step, self.evaluation.sft)
 
     @property
     def priority(self) -> int:
@@ -57,9 +68,11 @@ class RunTask(luigi.Task):
         """Complete only when the output exists and so does every input's of the same step and namespace, however
         far upstream, so deleting one stage's output re-runs it and everything downstream. Other steps (the
         policy) count by their own output: no walk back through every earlier step. Each task is visited once."""
+        open_run(self.settings, luigi.interface.core().workers)
+        check_evaluated_checkpoint(self.settings, self.step, self.evaluation)
         if not super().complete():
             return False
-        folder, seen, waiting = self.context.folder, set(), luigi.task.flatten(self.requires())
+        folder, seen, waiting = self.folder, set(), luigi.task.flatten(self.requires())
         while waiting:
             task = waiting.pop()
             if task.task_id in seen:
@@ -67,14 +80,14 @@ class RunTask(luigi.Task):
             seen.add(task.task_id)
             if not all(output.exists() for output in luigi.task.flatten(task.output())):
                 return False
-            if task.context.folder == folder:
+            if task.folder == folder:
                 waiting += luigi.task.flatten(task.requires())
         return True
 
     def label(self) -> str:
         """The task as users name it: its parameters, an evaluation by its folder, unset ones left out."""
         params = self.to_str_params(only_significant=True)
-        if getattr(self, "evaluation", None) is not None:
+        if params.get("evaluation"):
             params["evaluation"] = self.evaluation.name  # its folder under runs/<run>/eval/
         unset = {"evaluation": "", "limit": "0", "temperature": "", "top_p": ""}  # the run's own: not shown
         params = {k: v for k, v in params.items() if unset.get(k) != v}
@@ -84,19 +97,18 @@ class RunTask(luigi.Task):
         return luigi.LocalTarget(str(path))
 
     def policy(self) -> dict[str, luigi.Task]:
-        """{"policy": the task that makes the checkpoint this task's rollout samples from}; {} for the model
-        setting."""
-        checkpoint = self.context.policy_checkpoint
-        if checkpoint is None:
-            return {}
-        if checkpoint.path == self.context.run_folder.sft.checkpoint:
-            return {"policy": ColdStart()}
-        evaluating = self.context.evaluation is not None  # an evaluation scores checkpoint `step` itself
-        return {"policy": TrainStep(step=self.step if evaluating else self.step - 1), **self.rl_base()}
+        """{"policy": the task that makes the checkpoint this task's rollout samples from}, none for the model
+        setting: a training step samples from the checkpoint before it (step 0: the cold start's, if the run has
+        one), an evaluation from its own step's (-1: the model setting, or the cold start's with `sft`)."""
+        source = self.step if self.evaluation is not None else self.step - 1
+        if source >= 0:
+            return {"policy": TrainStep(step=source), **self.rl_base()}
+        wants_sft = self.evaluation.sft if self.evaluation is not None else bool(self.settings.cold_start.data)
+        return {"policy": ColdStart()} if wants_sft else {}
 
     def rl_base(self) -> dict[str, luigi.Task]:
         """{"rl_base": the cold start} when RL starts from its weights, which a LoRA checkpoint applies to."""
-        return {"rl_base": ColdStart()} if self.context.settings.cold_start.data else {}
+        return {"rl_base": ColdStart()} if self.settings.cold_start.data else {}
 
     def rounds(self, shard: int, count: int) -> list[dict[str, luigi.Task]]:
         """The first `count` rounds of one shard: the stages whose files rebuild its trajectories."""
@@ -110,7 +122,7 @@ class RunTask(luigi.Task):
 
     def all_rounds(self) -> list[list[dict[str, luigi.Task]]]:
         """Every round of every shard of the step."""
-        rollout = self.context.rollout
+        rollout = self.rollout
         return [self.rounds(shard, rollout.max_assistant_turns) for shard in range(rollout.shards)]
 
 
@@ -134,7 +146,7 @@ def _note_failure(task: RunTask, error: Exception) -> None:
 @RunTask.event_handler(luigi.Event.PROCESSING_TIME)
 def _report_stage(task: RunTask, seconds: float) -> None:
     """One line per finished stage: what it wrote, how long it took, and where."""
-    timings = task.context.folder.timings
+    timings = task.folder.timings
     record_stage_seconds(
         timings, task.task_id, task.task_family, seconds, parquet_seconds() - task.parquet_seconds_at_start
     )
@@ -148,16 +160,13 @@ class RolloutTask(RunTask):
 
     evaluation = EvalSpecParameter(default=None, description="the evaluation (JSON); empty: a training step")
 
-    def make_context(self) -> RunContext:
-        return context_for(current_settings(), self.step, self.evaluation)
-
 
 class Prompts(RolloutTask):
     def output(self):
-        return self.target(self.context.folder.prompts)
+        return self.target(self.folder.prompts)
 
     def run(self):
-        self.summary = prompts(path(self.output()), self.context.settings, self.step, self.evaluation)
+        self.summary = prompts(path(self.output()), self.settings, self.step, self.evaluation)
 
 
 class SampleRound(RolloutTask):
@@ -168,12 +177,13 @@ class SampleRound(RolloutTask):
         return {"prompts": self.clone(Prompts), "rounds": self.rounds(self.shard, self.round), **self.policy()}
 
     def output(self):
-        return self.target(self.context.folder.samples(self.shard, self.round))
+        return self.target(self.folder.samples(self.shard, self.round))
 
     def run(self):
-        inputs, run = self.input(), self.context.settings
+        inputs, run = self.input(), self.settings
         self.summary = sample_round(
-            path(inputs["prompts"]), round_paths(inputs["rounds"]), checkpoint_of(inputs), path(self.output()),
+            path(inputs["prompts"]), round_paths(inputs["rounds"]), checkpoint_of(inputs),
+            checkpoint_of(inputs, "rl_base"), path(self.output()),
             run, self.step, self.shard, self.round, self.evaluation, self.set_status_message,
         )  # fmt: skip
 
@@ -187,10 +197,10 @@ class ExecuteRound(RolloutTask):
         return {"prompts": self.clone(Prompts), "rounds": rounds, "samples": self.clone(SampleRound)}
 
     def output(self):
-        return self.target(self.context.folder.observations(self.shard, self.round))
+        return self.target(self.folder.observations(self.shard, self.round))
 
     def run(self):
-        inputs, run = self.input(), self.context.settings
+        inputs, run = self.input(), self.settings
         self.summary = execute_round(
             path(inputs["prompts"]), round_paths(inputs["rounds"]), path(inputs["samples"]), path(self.output()),
             run, self.step, self.shard, self.round, self.evaluation, self.set_status_message,
@@ -202,13 +212,13 @@ class ScoreTrajectories(RolloutTask):
         return {"prompts": self.clone(Prompts), "shards": self.all_rounds()}
 
     def output(self):
-        return self.target(self.context.folder.trajectories)
+        return self.target(self.folder.trajectories)
 
     def run(self):
         inputs = self.input()
         shards = [round_paths(rounds) for rounds in inputs["shards"]]
         self.summary = score_trajectories(
-            path(inputs["prompts"]), shards, path(self.output()), self.context.settings, self.step, self.evaluation
+            path(inputs["prompts"]), shards, path(self.output()), self.settings, self.step, self.evaluation
         )
 
 
@@ -221,7 +231,7 @@ class BuildDatums(RunTask):
         }
 
     def output(self):
-        return self.target(self.context.folder.datums)
+        return self.target(self.folder.datums)
 
     def run(self):
         inputs = self.input()
@@ -231,7 +241,7 @@ class BuildDatums(RunTask):
             shards,
             path(inputs["trajectories"]),
             path(self.output()),
-            self.context.settings,
+            self.settings,
             self.step,
         )
 
@@ -243,12 +253,13 @@ class TrainStep(RunTask):
     def requires(self):
         observations = [r["observations"] for rounds in self.all_rounds() for r in rounds]
         step = {"datums": self.clone(BuildDatums), "trajectories": self.clone(ScoreTrajectories)}
-        return {**step, "observations": observations, **self.policy()}
+        previous = {"previous": TrainStep(step=self.step - 1)} if self.step > 0 else {}  # step 0 starts from rl_base
+        return {**step, "observations": observations, **previous, **self.rl_base()}
 
     def output(self):
         """The checkpoint's marker and the step's metrics: a run killed between the two trains the
         step again (deterministically) rather than leaving the metrics out."""
-        folder = self.context.folder
+        folder = self.folder
         return {"checkpoint": self.target(Checkpoint(folder.checkpoint).marker), "metrics": self.target(folder.metrics)}
 
     def run(self):
@@ -256,8 +267,8 @@ class TrainStep(RunTask):
         inputs, outputs = self.input(), self.output()
         self.summary = train_step(
             path(inputs["datums"]), path(inputs["trajectories"]), [path(t) for t in inputs["observations"]],
-            checkpoint_of(inputs), path(outputs["checkpoint"]).parent, path(outputs["metrics"]),
-            self.context.folder.timings, self.context.settings, self.step,
+            checkpoint_of(inputs, "previous"), checkpoint_of(inputs, "rl_base"),
+            path(outputs["checkpoint"]).parent, path(outputs["metrics"]), self.folder.timings, self.settings, self.step,
         )  # fmt: skip
 
 
@@ -266,18 +277,19 @@ class ColdStartTask(RunTask):
 
     step = luigi.IntParameter(default=-1, significant=False, description="not used: the cold start precedes step 0")
 
-    def make_context(self) -> RunContext:
-        return context_for(current_settings(), -1, cold_start=True)
+    @property
+    def folder(self) -> StepFolder:
+        return self.run_folder.sft
 
 
 class SFTExamples(ColdStartTask):
     """The cold-start conversations rendered through the rollout's protocol: sft/examples.parquet."""
 
     def output(self):
-        return self.target(self.context.folder.sft_examples)
+        return self.target(self.folder.sft_examples)
 
     def run(self):
-        self.summary = sft_examples(path(self.output()), self.context.settings)
+        self.summary = sft_examples(path(self.output()), self.settings)
 
 
 class ColdStart(ColdStartTask):
@@ -288,105 +300,35 @@ class ColdStart(ColdStartTask):
         return {"examples": SFTExamples()}
 
     def output(self):
-        folder = self.context.folder
+        folder = self.folder
         return {
             "checkpoint": self.target(Checkpoint(folder.checkpoint).marker),
             "losses": self.target(folder.sft_losses),
         }
 
     def run(self):
-        outputs, progress = self.output(), self.context.folder.sft_progress  # progress: its own resume point
+        outputs, progress = self.output(), self.folder.sft_progress  # progress: its own resume point
         self.summary = cold_start(
             path(self.input()["examples"]), path(outputs["checkpoint"]).parent, path(outputs["losses"]), progress,
-            self.context.settings, self.report_progress,
+            self.settings, self.report_progress,
         )  # fmt: skip
 
     def report_progress(self, row: dict) -> None:
-        steps = self.context.settings.cold_start.steps
+        steps = self.settings.cold_start.steps
         line = f"cold start step {row['step'] + 1}/{steps}: loss {row['loss']:.3f}, {row['seconds']:.1f} s"
         self.set_status_message(line)
         print(line, flush=True)
 
 
-class EvaluationTask(RunTask):
-    """The parameters of an evaluation of checkpoint `step`: its data, samples per question, mode and sampling."""
-
-    dataset = luigi.Parameter(default="data/synthetic_eval.jsonl", description="evaluation data file")
-    n = luigi.IntParameter(default=4, description="samples per question")
-    # Not `mode`: Luigi's first pass over the command line would read --mode as an abbreviation of --model-*.
-    eval_mode = luigi.ChoiceParameter(choices=EVAL_MODES, default="retool", description="retool, or text-only: no tool")
-    sft = luigi.BoolParameter(
-        default=False, description="with --step -1: evaluate the cold-start checkpoint, not the base model"
-    )
-    limit = luigi.IntParameter(default=0, description="evaluate the data set's first N questions only (0: all)")
-    temperature = luigi.OptionalFloatParameter(default=None, description="evaluation temperature (default: the run's)")
-    top_p = luigi.OptionalFloatParameter(default=None, description="evaluation top_p (default: the run's)")
-
-    def spec(self, sft: bool | None = None) -> EvalSpec:
-        sft = self.sft if sft is None else sft
-        return EvalSpec(self.dataset, self.n, self.eval_mode, sft, self.limit, self.temperature, self.top_p)
-
-    def make_context(self) -> RunContext:
-        return context_for(current_settings(), self.step, self.spec())
+def path(target: luigi.LocalTarget) -> Path:
+    return Path(target.path)
 
 
-class Evaluate(EvaluationTask):
-    """Average@N / Pass@N of checkpoint `step` (-1: the base model) on an eval set, in retool or
-    text-only mode: summary.parquet in the evaluation's folder, and one printed line."""
-
-    def requires(self):
-        return ScoreTrajectories(step=self.step, evaluation=self.spec())
-
-    def output(self):
-        return self.target(self.context.folder.summary)
-
-    def run(self):
-        self.summary = evaluate(path(self.input()), path(self.output()), self.context.settings, self.spec(), self.step)
+def round_paths(rounds: list[dict]) -> list[RoundPaths]:
+    """The inputs of `RunTask.rounds` as paths."""
+    return [RoundPaths(path(r["samples"]), path(r["observations"])) for r in rounds]
 
 
-class Report(RunTask):
-    """Once training step `step` is done: plots and a Markdown summary of steps 0..step and the evaluations of
-    their checkpoints, under runs/<run>/report/step=NNNN/ (`python -m retool report runs/NAME` by hand, of all)."""
-
-    def requires(self):
-        return {"steps": [TrainStep(step=step) for step in range(self.step + 1)]}
-
-    def output(self):
-        return self.target(self.context.run_folder.report(self.step) / REPORT)
-
-    def complete(self):
-        """Built, and newer than every file it draws: a new evaluation of a checkpoint it shows rebuilds it."""
-        report = Path(self.output().path)
-        return report.exists() and not self.context.run_folder.changed_since(report, self.step)
-
-    def run(self):
-        self.summary = report(path(self.output()).parent, self.context.settings, self.step)
-
-
-class BeforeAfter(EvaluationTask):
-    """Training through step `step`, then the base model, the cold-start checkpoint (if the run has
-    one) and checkpoint `step` evaluated on the same held-out questions: a before/after table in the
-    evaluations' folder, printed, and the run's report with the evaluations."""
-
-    def evaluations(self) -> list[tuple[str, Evaluate]]:
-        policies = (
-            [("base", -1, False)]
-            + ([("SFT", -1, True)] if self.context.settings.cold_start.data else [])
-            + [(f"RL step {self.step}", self.step, False)]
-        )
-        return [(label, self.clone(Evaluate, step=step, sft=sft)) for label, step, sft in policies]
-
-    def requires(self):
-        evaluations = [task for _, task in self.evaluations()]
-        trajectories = [task.clone(ScoreTrajectories, evaluation=task.spec()) for task in evaluations]
-        steps = [TrainStep(step=step) for step in range(self.step + 1)]  # the report's
-        return {"evaluations": evaluations, "trajectories": trajectories, "steps": steps}
-
-    def output(self):
-        return self.target(self.context.run_folder.before_after(self.spec().name, self.step))
-
-    def run(self):
-        labels = [label for label, _ in self.evaluations()]
-        evaluations = list(zip(labels, map(path, self.input()["trajectories"]), strict=True))
-        out, report_folder = path(self.output()), self.context.run_folder.report(self.step)
-        self.summary = before_after(evaluations, self.n, out, report_folder, self.context.settings, self.step)
+def checkpoint_of(inputs: dict, name: str = "policy") -> Path | None:
+    """The checkpoint folder of a task's input `name` (its marker's folder); None: the task has no such input."""
+    return path(inputs[name]["checkpoint"]).parent if name in inputs else None

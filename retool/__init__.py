@@ -1,5 +1,6 @@
 """ReTool-style reinforcement learning, the rules of every stage as plain functions over plain data
-(the Luigi tasks that run them are in `pipeline/`). Packages by concern, lowest first:
+(the jobs that read and write each stage's files are in `jobs/`, the Luigi tasks that schedule them in
+`pipeline/`). Packages by concern, lowest first:
 
 - `config`      the settings, one frozen dataclass per section
 - `files`       the run folder's layout, the Parquet contract, atomic writes
@@ -11,7 +12,6 @@
 - `rollout`     the multi-turn state machine, its replay from files, PPO datums
 - `training`    one PPO or supervised step, packing, the memory plan, the cold start, checkpoints
 - `evaluation`  scores and intervals, per-step metrics, queries over a run folder, the report
-- `run`         what a stage runs with: the run's set-up and its context
-- `stages`      every stage as a function from the tables it reads to the table it writes
+- `run`         what a stage runs with: the run's set-up, once per command, and the jobs' shared caches
 - `cli`         the command-line tools (`python -m retool COMMAND`)
 """

@@ -7,7 +7,7 @@ import luigi
 import pipeline.tasks
 import retool.sampling.engines
 from pipeline import ScoreTrajectories
-from retool.run.context import step_examples
+from retool.run.shared import step_examples
 from tests.policies import branching_tools
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from retool.run.context import protocol_for, step_examples
+from retool.run.shared import protocol_for, step_examples
 from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import scripted, tool_call_text
 

@@ -10,7 +10,7 @@ import pipeline.tasks
 import retool.sampling.engines
 from retool.evaluation.scores import mean_ci, pass_at_k, summarize_eval
 from retool.files.tables import TRAJECTORIES, table_from_rows
-from retool.run.context import protocol_for
+from retool.run.shared import protocol_for
 from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import scripted, tool_call_text
 
@@ -95,7 +95,7 @@ def test_evaluate_on_the_tiny_model(configure, monkeypatch, tmp_path, mode):
         "sampler_for",
         lambda s, policy=None, shard=0: ScriptedSampler(scripted(protocol_for(s.model), choose)),
     )
-    task = pipeline.tasks.Evaluate(step=-1, dataset=str(dataset), n=3, eval_mode=mode)
+    task = pipeline.Evaluate(step=-1, dataset=str(dataset), n=3, eval_mode=mode)
     assert luigi.build([task], local_scheduler=True, workers=1, log_level="WARNING")
     summary = pa.parquet.read_table(task.output().path).to_pylist()[0]
     prompt = pa.parquet.read_table(folder_of(settings, mode) / "prompts.parquet").column("prompt_tokens")[0].as_py()

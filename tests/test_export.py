@@ -14,8 +14,8 @@ from retool.data.conversations import read_conversations
 from retool.files.layout import RunFolder
 from retool.files.tables import SFT_EXAMPLES, TRAJECTORIES, read_table
 from retool.rollout.replay import replay_shards
-from retool.run.context import protocol_for
 from retool.run.setup import freeze
+from retool.run.shared import protocol_for
 from tests.conftest import REPO
 from tests.pipeline_helpers import build, tool_policy
 

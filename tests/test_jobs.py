@@ -5,13 +5,17 @@ again in a run folder that holds only its task's inputs, and writes what it wrot
 from __future__ import annotations
 
 import shutil
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import CodeType
 
 import luigi
 import pyarrow.parquet as pq
 
 import retool.sampling.engines
-from pipeline import BeforeAfter, Report
+from pipeline import BeforeAfter, BuildDatums, Report, SampleRound, TrainStep
+from retool.run.setup import open_run
 from retool.weights.checkpoint import Checkpoint
 from tests.conftest import REPO
 from tests.pipeline_helpers import TRAIN, tool_policy
@@ -69,6 +73,7 @@ def test_every_job_runs_with_only_the_files_its_task_requires(configure, monkeyp
         copy_inputs(inputs[task.task_id], full, alone.run_dir)
         again = type(task).from_str_params(task.to_str_params())  # the same task, in the new run folder
         again.set_status_message = lambda message: None  # what a Luigi worker gives a task it runs
+        open_run(again.settings)  # what a command does once, before Luigi schedules
         again.run()
         for target in luigi.task.flatten(again.output()):
             written = Path(target.path)
@@ -76,3 +81,48 @@ def test_every_job_runs_with_only_the_files_its_task_requires(configure, monkeyp
             if written.suffix == ".parquet":
                 original = full / written.relative_to(alone.run_dir)
                 assert without_timings(written).equals(without_timings(original)), again.label()
+
+
+def files_entered(run: Callable[[], None], until: Callable[[CodeType], bool]) -> list[str]:
+    """The files of `pipeline/`, `jobs/` and `retool/` whose functions `run` enters before the first call that
+    `until` accepts, in the order first entered (module bodies, run on first import, left out)."""
+    files, reached = [], []
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if reached or event != "call" or code.co_name == "<module>":
+            return
+        if until(code):
+            reached.append(code)
+            return
+        path = Path(code.co_filename)
+        if path.is_relative_to(REPO) and path.relative_to(REPO).parts[0] in ("pipeline", "jobs", "retool"):
+            name = str(path.relative_to(REPO))
+            if name not in files:
+                files.append(name)
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    assert reached, "the call was never reached"
+    return files
+
+
+def test_a_train_step_and_a_sample_round_reach_the_library_through_few_files(configure, monkeypatch, capsys):
+    """From a task's run() to the call that does its work, every file whose code runs on the way: each is one more
+    a reader follows (docs/layout.md, "Following a stage"). A bound each, so that the count cannot grow unseen;
+    `pytest tests/test_jobs.py -k reach -s` prints them."""
+    settings = configure("crossed", trainer=TRAIN)
+    sampler = tool_policy(settings)
+    monkeypatch.setattr(retool.sampling.engines, "sampler_for", lambda settings, policy=None, shard=0: sampler)
+    assert luigi.build([BuildDatums(step=0)], local_scheduler=True, workers=1, log_level="WARNING")
+    train, sample = TrainStep(step=0), SampleRound(step=0, round=0)
+    train.set_status_message = sample.set_status_message = lambda message: None
+    to_optimizer = files_entered(train.run, lambda code: code.co_name == "step" and "torch/optim/" in code.co_filename)
+    to_sampler = files_entered(sample.run, lambda code: code.co_filename.endswith("retool/sampling/scripted.py"))
+    with capsys.disabled():
+        print(f"\nTrainStep.run to optimizer.step, {len(to_optimizer)} files: {', '.join(to_optimizer)}")
+        print(f"SampleRound.run to the sampler, {len(to_sampler)} files: {', '.join(to_sampler)}")
+    assert len(to_optimizer) <= 17 and len(to_sampler) <= 15

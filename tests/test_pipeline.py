@@ -19,7 +19,7 @@ from retool.files.tables import OBSERVATIONS, SAMPLES, SFT_LOSSES, TRAJECTORIES,
 from retool.rollout.rows import observation_row
 from retool.rollout.stage_tables import trajectories_table
 from retool.rollout.state import rollout_in_memory
-from retool.run.context import protocol_for, sandbox_for
+from retool.run.shared import protocol_for, sandbox_for
 from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import scripted
 from tests.pipeline_helpers import TRAIN, batch, build, build_train, step_dir, tool_policy
@@ -123,14 +123,12 @@ def test_deleting_one_output_reruns_only_it_and_downstream(configure, monkeypatc
         assert (without(reread, "exec_seconds") if "observations" in path.name else reread).equals(table), path
 
 
-def test_a_run_refuses_different_settings(configure, monkeypatch):
+def test_a_run_refuses_different_settings(configure, monkeypatch, caplog):
     settings = configure("frozen")
     assert build(settings, 0, tool_policy(settings, 0), monkeypatch)
-    from retool.config.settings import SettingsError
-
     changed = configure("frozen", rollout={"group_size": 2}, sandbox={"max_workers": 1})  # workers may differ
-    with pytest.raises(SettingsError, match=r"differing: \[rollout\] group_size = 2 \(frozen: 3\)\. Use"):
-        build(changed, 0, tool_policy(changed, 0), monkeypatch)
+    assert not build(changed, 0, tool_policy(changed, 0), monkeypatch)  # refused as Luigi first asks of the task
+    assert "differing: [rollout] group_size = 2 (frozen: 3). Use" in caplog.text
     assert read_table(step_dir(settings, 0) / "trajectories.parquet", TRAJECTORIES).num_rows == 9  # nothing lost
 
 
@@ -311,7 +309,7 @@ def test_train_step_writes_the_step_metrics(configure, monkeypatch):
 
 def test_step_zero_samples_from_and_trains_on_top_of_the_cold_start(configure, monkeypatch):
     from pipeline import ColdStart, TrainStep
-    from retool.run.context import rl_base_model
+    from retool.run.shared import run_rl_base
     from retool.weights.checkpoint import Policy
 
     settings = configure(
@@ -331,7 +329,7 @@ def test_step_zero_samples_from_and_trains_on_top_of_the_cold_start(configure, m
     assert ColdStart().complete() and read_table(settings.run_dir / "sft/losses.parquet", SFT_LOSSES).num_rows == 2
     step_zero, step_one = step_dir(settings, 0) / "checkpoint", step_dir(settings, 1) / "checkpoint"
     sft_model = settings.run_dir / "sft/checkpoint/model"
-    assert rl_base_model(settings) == sft_model
+    assert run_rl_base(settings) == sft_model
     assert set(policies) == {Policy(sft_model), Policy(sft_model, step_zero / "adapter")}
     config = json.loads((step_zero / "adapter" / "adapter_config.json").read_text())
     assert Path(config["base_model_name_or_path"]) == sft_model  # RL's LoRA sits on the cold start's weights
@@ -346,8 +344,9 @@ def test_a_bad_cold_start_file_fails_once_with_its_line_and_writes_nothing(confi
     from retool.data.examples import DataError
 
     settings = configure("bad-cold", cold_start={"data": str(bad)})
-    with pytest.raises(DataError, match=f"{bad} line 1 message 2: a tool message without"):  # when the task is made
-        SFTExamples()
+    task = SFTExamples()
+    with pytest.raises(DataError, match=f"{bad} line 1 message 2: a tool message without"):  # before it is scheduled
+        task.complete()
     assert not (settings.run_dir / "sft").exists() or not list((settings.run_dir / "sft").glob("*.parquet"))
 
 
@@ -373,7 +372,7 @@ def test_a_sampler_that_does_not_serve_the_policy_fails_the_step_before_saving(c
         folder = step_dir(settings, 0)
         observations = sorted(folder.glob("shard=*/round=*/observations.parquet"))
         train_step(
-            folder / "datums.parquet", folder / "trajectories.parquet", observations, None, folder / "checkpoint",
+            folder / "datums.parquet", folder / "trajectories.parquet", observations, None, None, folder / "checkpoint",
             folder / "metrics.parquet", folder / "_timings", settings, 0,
         )  # fmt: skip
 

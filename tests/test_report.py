@@ -32,7 +32,7 @@ from retool.evaluation.report import (
     plot_sandbox,
     plot_tool_use,
 )
-from retool.run.context import protocol_for
+from retool.run.shared import protocol_for
 from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import scripted, tool_call_text
 from tests.pipeline_helpers import TRAIN, batch
@@ -58,9 +58,9 @@ def two_step_run(configure, monkeypatch):
         lambda s, policy=None, shard=0: ScriptedSampler(scripted(protocol_for(s.model), choose)),
     )
     tasks = [
-        pipeline.tasks.Report(step=1),
-        pipeline.tasks.Evaluate(step=-1, dataset=settings.data.train, n=2),
-        pipeline.tasks.Evaluate(step=1, dataset=settings.data.train, n=2),
+        pipeline.Report(step=1),
+        pipeline.Evaluate(step=-1, dataset=settings.data.train, n=2),
+        pipeline.Evaluate(step=1, dataset=settings.data.train, n=2),
     ]
     assert luigi.build(tasks, local_scheduler=True, workers=1, log_level="WARNING")
     return settings
@@ -191,7 +191,7 @@ def test_quantiles_are_interpolated_and_rates_and_counts_have_their_own_axes(two
 
 
 def test_the_report_task_is_built_again_when_an_evaluation_it_shows_is_newer(two_step_run):
-    report_task = pipeline.tasks.Report(step=1)
+    report_task = pipeline.Report(step=1)
     assert not report_task.complete()  # the fixture's evaluations ran after it
     assert luigi.build([report_task], local_scheduler=True, workers=1, log_level="WARNING")
     assert report_task.complete()
@@ -200,4 +200,4 @@ def test_the_report_task_is_built_again_when_an_evaluation_it_shows_is_newer(two
     assert not report_task.complete()
     assert luigi.build([report_task], local_scheduler=True, workers=1, log_level="WARNING")
     assert report_task.complete()
-    assert not pipeline.tasks.Report(step=0).complete()  # never built
+    assert not pipeline.Report(step=0).complete()  # never built

@@ -1,13 +1,12 @@
-"""Each row mapping of retool/rollout/rows.py writes exactly its file's columns, and what it writes reads back."""
+"""Each row mapping (retool/rollout/rows.py, and datums.py for a datum) writes exactly its file's columns, and what
+it writes reads back."""
 
 from __future__ import annotations
 
 from retool.data.examples import MathExample
 from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
-from retool.rollout.datums import Datum
+from retool.rollout.datums import Datum, datum_of, datum_row
 from retool.rollout.rows import (
-    datum_of,
-    datum_row,
     example_of,
     observation_row,
     prompt_row,

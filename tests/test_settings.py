@@ -116,17 +116,19 @@ def test_modules_and_functions_stay_small():
     assert not too_long
 
 
-def test_a_task_sets_its_run_up_when_made_and_complete_only_checks(configure):
+def test_making_a_task_has_no_effect_and_the_run_is_set_up_once_when_luigi_first_asks(configure):
     from pipeline import TrainStep
 
     settings = configure("setup")
     config_json = settings.run_dir / "config.json"
     task = TrainStep(step=1)
-    assert config_json.exists()  # frozen when the command's task was made
+    assert not settings.run_dir.exists()  # made, not yet asked: nothing written, nothing started
+    assert not task.complete()
+    assert config_json.exists()  # frozen as Luigi first asked, before it schedules anything
     config_json.unlink()
     before = sorted(settings.run_dir.rglob("*"))
-    assert not task.complete()
-    assert sorted(settings.run_dir.rglob("*")) == before  # complete() wrote nothing
+    assert not TrainStep(step=0).complete()
+    assert sorted(settings.run_dir.rglob("*")) == before  # once per process: asked again, nothing is written
 
 
 def test_the_cpu_configuration_keeps_the_short_system_prompt_and_the_recipe_has_the_seeds():

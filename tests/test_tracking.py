@@ -17,7 +17,7 @@ from retool.config.settings import RunConfig, SettingsError
 from retool.data.examples import MathExample, write_examples
 from retool.evaluation.tracking import Tracker, check_tracker, scalars
 from retool.files.layout import RunFolder
-from retool.run.context import protocol_for
+from retool.run.shared import protocol_for
 from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import scripted
 from tests.pipeline_helpers import TRAIN, build_train, step_dir, tool_policy
@@ -141,7 +141,7 @@ def test_an_evaluation_logs_its_scores_to_wandb(configure, monkeypatch, tmp_path
         scripted(protocol_for(settings.model), lambda q, g, t: f"\\boxed{{{2 * q if g else -1}}}")
     )
     monkeypatch.setattr(retool.sampling.engines, "sampler_for", lambda s, policy=None, shard=0: sampler)
-    task = pipeline.tasks.Evaluate(step=-1, dataset=str(dataset), n=2, eval_mode="retool")
+    task = pipeline.Evaluate(step=-1, dataset=str(dataset), n=2, eval_mode="retool")
     assert luigi.build([task], local_scheduler=True, workers=1, log_level="WARNING")
     (row,) = wandb_history(RunFolder(settings.run_dir))
     name = Path(task.output().path).parent.parent.relative_to(settings.run_dir / "eval")

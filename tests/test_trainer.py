@@ -13,8 +13,7 @@ from safetensors.torch import load_file
 
 from retool.config.trainer import TrainerConfig
 from retool.files.tables import DATUMS, table_from_rows, write_table_atomically
-from retool.rollout.datums import Datum
-from retool.rollout.rows import datums_from_table
+from retool.rollout.datums import Datum, datums_from_table
 from retool.training.checkpoints import prune_checkpoints, save_checkpoint
 from retool.training.losses import token_logprobs
 from retool.training.packing import loss_token_weights, pack_micro_batches

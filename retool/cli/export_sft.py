@@ -17,8 +17,8 @@ from retool.files.layout import RunFolder
 from retool.files.tables import TRAJECTORIES, read_table
 from retool.rollout.export import solution_of
 from retool.rollout.replay import replay_shards
-from retool.run.context import protocol_for
 from retool.run.setup import recorded_settings
+from retool.run.shared import protocol_for
 from retool.training.cold_start import sft_examples_table
 
 

@@ -61,6 +61,15 @@ def _content_hash(path: str, mtime_ns: int, size: int) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:10]
 
 
+def check_evaluated_checkpoint(settings: RunSettings, step: int, evaluation: EvalSpec | None) -> None:
+    """An evaluation of the cold-start checkpoint (`sft`) scores step -1 of a run that has one."""
+    if evaluation is not None and evaluation.sft and (step != -1 or not settings.cold_start.data):
+        raise SettingsError(
+            "--sft evaluates the cold-start checkpoint: it needs --step -1 and a run with [cold_start] data set"
+        )
+
+
+@lru_cache(maxsize=64)  # asked by every task of an evaluation's graph; the data file is read once
 def evaluation_settings(settings: RunSettings, evaluation: EvalSpec | None) -> RunSettings:
     """The settings a rollout runs under: the run's own for a training step (`evaluation` None), or an
     evaluation's: every question of its data set once, `n` samples each; text-only mode declares no tool and

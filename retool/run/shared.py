@@ -1,0 +1,63 @@
+"""What every job of a process shares: the chat protocol (a tokenizer takes most of a second to load), the
+sandbox (its pre-warmed servers), a step's questions, and a round's starting state rebuilt from its files."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from pathlib import Path
+
+from retool.config.sandbox import SandboxConfig
+from retool.config.settings import ModelConfig, RunSettings
+from retool.data.examples import MathExample, shuffled, take_batch
+from retool.evaluation.spec import EvalSpec, _examples, evaluation_settings
+from retool.files.layout import RoundPaths, RunFolder
+from retool.protocol.chat import ChatProtocol, load_tokenizer
+from retool.rollout.replay import replay_files
+from retool.rollout.state import Trajectory
+from retool.sandbox.call import Sandbox
+from retool.weights.models import resolve_model, rl_base
+
+
+@lru_cache(maxsize=4)
+def protocol_for(model: ModelConfig) -> ChatProtocol:
+    """One per tokenizer and template, shared by runs."""
+    return ChatProtocol(
+        load_tokenizer(resolve_model(model.name)),
+        tool_format=model.tool_format,
+        chat_template=model.chat_template or None,
+        tools=model.use_tools,
+        template_kwargs=model.template_kwargs(),
+        system_prompt=(model.system_prompt or None) if model.use_tools else None,  # text-only: its own
+    )
+
+
+@lru_cache(maxsize=4)
+def sandbox_for(config: SandboxConfig) -> Sandbox:
+    """One per sandbox configuration, so its pre-warmed servers serve every task of the process."""
+    return Sandbox(config)
+
+
+def step_examples(settings: RunSettings, step: int, evaluation: EvalSpec | None) -> list[MathExample]:
+    """The questions a step rolls out: its batch of the shuffled training data, or an evaluation's data set."""
+    if evaluation is not None:
+        return evaluation.examples()
+    data = settings.data
+    return take_batch(shuffled(_examples(data.train), data.seed), step, data.questions_rolled_out)
+
+
+def replayed_shard(
+    prompts: Path, rounds: Sequence[RoundPaths], run: RunSettings, evaluation: EvalSpec | None, shard: int
+) -> tuple[RunSettings, ChatProtocol, list[Trajectory]]:
+    """What a round of one shard starts from: the settings it runs under (the run's, or its evaluation's), their
+    protocol, and the shard's trajectories after `rounds`, rebuilt from those files (a round's state is never
+    stored: a re-run starts from what the files say)."""
+    settings = evaluation_settings(run, evaluation)
+    protocol = protocol_for(settings.model)
+    return settings, protocol, replay_files(prompts, rounds, protocol, settings.rollout, shard)
+
+
+def run_rl_base(settings: RunSettings) -> Path:
+    """The weights a run's RL starts from (for tools that read a run folder rather than a task's inputs)."""
+    cold_start = RunFolder(settings.run_dir).sft.checkpoint if settings.cold_start.data else None
+    return rl_base(cold_start, settings.model.name)
