@@ -52,6 +52,13 @@ def test_the_plan_adds_weights_state_activations_and_logits():
     mixed = plan_step(shape, TrainerConfig(lora_rank=0, micro_batch_tokens=8192), "cuda")
     assert mixed.weights == 16_000_000_000 + 8_000_000_000 and mixed.trainable_state == 3 * 16_000_000_000
     assert mixed.activations == plan.activations
+    # Eight processes: FSDP2 (auto for a full fine-tune) keeps an eighth of the weights and state, and two layers
+    # whole with their bfloat16 casts; DDP a whole copy in each.
+    sharded = plan_step(shape, TrainerConfig(lora_rank=0, micro_batch_tokens=8192), "cuda", processes=8)
+    assert sharded.weights == 16_000_000_000 // 8 + 2 * 24_000_000_000 // 32
+    assert sharded.trainable_state == 3 * 16_000_000_000 // 8
+    copies = plan_step(shape, TrainerConfig(lora_rank=0, micro_batch_tokens=8192, data_parallel="ddp"), "cuda", 8)
+    assert (copies.weights, copies.trainable_state) == (mixed.weights, mixed.trainable_state)
 
 
 def test_a_step_that_does_not_fit_is_refused_naming_the_settings():

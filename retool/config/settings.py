@@ -150,6 +150,7 @@ class RunSettings:
 OPERATIONAL = {
     "run": ("name", "runs_dir", "train_processes", "keep_last", "keep_every", "tracker"),
     "sandbox": ("max_workers", "python", "contain", "prewarmed"),
+    "trainer": ("data_parallel",),  # the order of a sum's terms at most
     "sampler": (
         "gpu_memory_utilization",
         "sleep_while_training",
@@ -187,7 +188,7 @@ def frozen(settings: RunSettings) -> dict[str, dict[str, Any]]:
     sections["trainer"]["autocast_bfloat16"] = trainer.autocast_bfloat16
     sections["sampler"]["dtype"] = engine_dtype(settings.sampler, settings.run.device)
     sections["sampler"]["engine"] = sampled_by(settings.sampler.engine, settings.run.device)
-    for section, names in {**OPERATIONAL, **INTERNAL}.items():
+    for section, names in [*OPERATIONAL.items(), *INTERNAL.items()]:
         for name in names:
             del sections[section][name]
     return sections

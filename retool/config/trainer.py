@@ -12,6 +12,7 @@ from retool.config.precision import bfloat16_native
 OBJECTIVES = ("ppo", "sft")
 DTYPES = ("auto", "float32", "bfloat16")
 SWITCHES = ("auto", "true", "false")
+DATA_PARALLEL = ("auto", "ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class TrainerConfig:
     # Mixed precision: matrix products in bfloat16 over weights kept in `dtype`: auto (where the device computes
     # bfloat16 natively: CUDA, a CPU with AVX512-BF16 or AMX; 1.6x faster there) | true | false
     autocast_bfloat16: str = "auto"
+    # How [run] train_processes > 1 share a step: ddp (a whole copy each, gradients summed) | fsdp (FSDP2: weights,
+    # gradients and Adam state sharded) | auto (fsdp for a full fine-tune, ddp for a LoRA)
+    data_parallel: str = "auto"
     gradient_checkpointing: bool = True  # recompute activations in the backward pass (a run does so only on CUDA)
     logprob_chunk_tokens: int = 1024  # loss tokens whose vocabulary-wide logits exist at once
     max_sampler_gap: float = 0.0  # fail a step whose mean |trainer - sampler| logprob exceeds this; 0 = no check
@@ -57,6 +61,7 @@ class TrainerConfig:
         aggregations = ", ".join(LOSS_AGGREGATIONS)
         require(self, "loss_aggregation", self.loss_aggregation in LOSS_AGGREGATIONS, f"one of {aggregations}")
         require(self, "dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}")
+        require(self, "data_parallel", self.data_parallel in DATA_PARALLEL, f"one of {', '.join(DATA_PARALLEL)}")
         # true and false also as JSON booleans (config.json of runs frozen when the setting was one)
         autocast = str(self.autocast_bfloat16).lower()
         require(self, "autocast_bfloat16", autocast in SWITCHES, "auto, true or false")
@@ -73,6 +78,13 @@ def resolved_dtype(dtype: str, device: str, lora_rank: int) -> str:
     if dtype != "auto":
         return dtype
     return "bfloat16" if device.startswith("cuda") and lora_rank else "float32"
+
+
+def resolved_data_parallel(data_parallel: str, lora_rank: int) -> str:
+    """What data_parallel = auto stands for: FSDP2 where the trained state is the whole model, DDP for a LoRA."""
+    if data_parallel != "auto":
+        return data_parallel
+    return "ddp" if lora_rank else "fsdp"
 
 
 def resolved_autocast(autocast_bfloat16: str, device: str) -> str:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from retool.config.trainer import TrainerConfig
+from retool.training.parallel import whole_state
 from retool.training.record import StepMetrics
 from retool.weights.checkpoint import TOKENIZER_FILES, Checkpoint
 
@@ -40,10 +41,14 @@ def save_checkpoint(
     config: TrainerConfig,
     tokenizer_source: Path,
     extra: dict[str, Any] | None = None,
+    gathered: tuple[dict | None, dict] | None = None,
 ) -> None:
     """Writes the whole checkpoint beside its final place, marks it _SUCCESS, then renames it: a
     killed write leaves no folder that looks complete. A PEFT model saves its adapter, any other
-    model its full weights with the tokenizer; `extra` adds JSON files."""
+    model its full weights with the tokenizer; the Adam state by parameter name; `extra` adds JSON
+    files. `gathered`: the weights and Adam state that every process gathered from their shards
+    (see parallel.whole_state); None: this process's own."""
+    weights, optimizer_state = gathered or whole_state(model, optimizer)
     for stale in folder.parent.glob(f".{folder.name}.tmp-*"):  # left by a writer that was killed
         shutil.rmtree(stale, ignore_errors=True)
     temporary = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
@@ -52,13 +57,13 @@ def save_checkpoint(
     for name, value in (extra or {}).items():
         (temporary / name).write_text(json.dumps(value, indent=1) + "\n")
     if hasattr(model, "peft_config"):
-        model.save_pretrained(checkpoint.adapter)
+        model.save_pretrained(checkpoint.adapter, state_dict=weights)
     else:
-        model.save_pretrained(checkpoint.model)
+        model.save_pretrained(checkpoint.model, state_dict=weights)
         for name in TOKENIZER_FILES:
             if (tokenizer_source / name).exists():
                 shutil.copy(tokenizer_source / name, checkpoint.model / name)
-    torch.save(optimizer.state_dict(), checkpoint.optimizer)
+    torch.save(optimizer_state, checkpoint.optimizer)
     save_rng(checkpoint.rng)
     checkpoint.metrics.write_text(json.dumps(asdict(metrics), indent=2) + "\n")
     checkpoint.trainer_config.write_text(json.dumps(asdict(config), indent=2) + "\n")

@@ -148,7 +148,9 @@ def train_cold_start(
     last resume point under `progress`. Publishes `out` with full weights (a LoRA is merged in), so
     RL starts from it as from any base model. Returns the loss of every step."""
     from retool.training.checkpoints import save_checkpoint
-    from retool.training.step import check_memory, load_policy, release_memory, set_seed, train_step
+    from retool.training.memory_plan import check_memory
+    from retool.training.parallel import whole_state
+    from retool.training.step import load_policy, release_memory, set_seed, train_step
 
     if Checkpoint(out).marker.exists():  # published, but the losses table was not written yet
         return json.loads((out / LOSSES).read_text())
@@ -176,9 +178,10 @@ def train_cold_start(
             on_step(losses[-1])
         if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < config.steps:
             save_checkpoint(progress, model, optimizer, metrics, trainer, base_model, extra={LOSSES: losses})
+    trained_state = whole_state(model, optimizer)  # Adam's state by the names of what it trained
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()  # RL starts from full weights, whatever the cold start trained
-    save_checkpoint(out, model, optimizer, metrics, trainer, base_model, extra={LOSSES: losses})
+    save_checkpoint(out, model, optimizer, metrics, trainer, base_model, extra={LOSSES: losses}, gathered=trained_state)
     shutil.rmtree(progress, ignore_errors=True)
     del model, optimizer
     release_memory(device)

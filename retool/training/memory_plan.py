@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from retool.config.trainer import TrainerConfig, resolved_autocast, resolved_dtype
+from retool.config.trainer import TrainerConfig, resolved_autocast, resolved_data_parallel, resolved_dtype
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -71,8 +71,9 @@ def shape_of(config) -> ModelShape:
     )
 
 
-def plan_step(shape: ModelShape, config: TrainerConfig, device: str) -> MemoryPlan:
-    """The estimate for one micro-batch of `micro_batch_tokens` (padding included) under `config`."""
+def plan_step(shape: ModelShape, config: TrainerConfig, device: str, processes: int = 1) -> MemoryPlan:
+    """The estimate for one micro-batch of `micro_batch_tokens` (padding included) under `config`, in each of
+    `processes` training processes (FSDP2 shares the weights and the trained state out among them)."""
     size = DTYPE_BYTES[resolved_dtype(config.dtype, device, config.lora_rank)]
     compute = DTYPE_BYTES["bfloat16"] if resolved_autocast(config.autocast_bfloat16, device) == "true" else size
     weights = shape.parameters * size
@@ -81,8 +82,14 @@ def plan_step(shape: ModelShape, config: TrainerConfig, device: str) -> MemoryPl
         trainable = shape.lora_parameters * config.lora_rank * 4 * 4
     else:
         trainable = shape.parameters * size * 3  # gradient and two Adam moments in the weights' dtype
-        if compute < size:  # autocast's bfloat16 copy of each trained weight, cached until the backward pass
-            weights += shape.parameters * compute
+    # autocast's bfloat16 copy of each trained weight, cached until the backward pass
+    cast = shape.parameters * compute if compute < size and not config.lora_rank else 0
+    if processes > 1 and resolved_data_parallel(config.data_parallel, config.lora_rank) == "fsdp":
+        # Each process holds 1/K of every weight and of the trained state, and two layers whole at a time (one
+        # prefetched), with their bfloat16 casts (not cached under FSDP2: see step.policy_pass).
+        weights, trainable = weights // processes + 2 * (weights + cast) // shape.layers, trainable // processes
+    else:
+        weights += cast
     tokens = config.micro_batch_tokens
     # One layer's forward and backward intermediates: attention projections and output, the MLP's gate,
     # up and product, norms, and their gradients (about twice the forward's).
@@ -107,3 +114,14 @@ def check_plan(plan: MemoryPlan, free_bytes: int) -> None:
             "gradient_checkpointing on, train a LoRA (lora_rank > 0) rather than every weight, or give the "
             "sampler less with [sampler] gpu_memory_utilization"
         )
+
+
+def check_memory(base_model: Path, config: TrainerConfig, device: str, processes: int = 1) -> None:
+    """On a GPU, before the model loads: the step's memory plan, printed, and refused when it does not fit the
+    memory free now (beside the sampler, which sleeps while a step trains)."""
+    if device.startswith("cuda"):
+        import torch
+
+        plan = plan_step(model_shape(base_model), config, device, processes)
+        print(f"memory plan of the training step: {plan.describe()}", flush=True)
+        check_plan(plan, torch.cuda.mem_get_info()[0])

@@ -3,11 +3,13 @@ fine-tune), the clipped loss on sampled tokens (or the negative log-likelihood),
 accumulation over micro-batches, data parallel over torch.distributed, checkpoints.
 
 `torchrun --nproc-per-node K -m jobs.train_step --inputs FILE` trains one step on K processes (gloo on CPU, NCCL on
-GPU); each process takes every K-th micro-batch and gradients are summed before the optimizer step.
+GPU) under torch's data parallelism, DDP or FSDP2 (see parallel.py): each process takes every K-th micro-batch, and
+the gradients are summed before the optimizer step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import json
@@ -18,23 +20,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from retool.config.trainer import TrainerConfig, resolved_autocast, resolved_dtype
 from retool.files.tables import DATUMS, read_table
 from retool.rollout.datums import Datum, datums_from_table
+from retool.training import parallel
 from retool.training.checkpoints import restore_rng, save_checkpoint
-from retool.training.losses import token_logprobs, token_loss
-from retool.training.memory_plan import check_plan, model_shape, plan_step
+from retool.training.losses import token_loss
+from retool.training.memory_plan import check_memory
 from retool.training.packing import MicroBatch, loss_token_weights, pack_micro_batches
 from retool.training.record import StepMetrics
 from retool.weights.checkpoint import Checkpoint, Policy
-
-
-def _rank_and_world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
 
 
 def set_seed(seed: int) -> None:
@@ -45,41 +42,57 @@ def set_seed(seed: int) -> None:
 
 def load_policy(base_model: Path, previous: Path | None, config: TrainerConfig, device: str = "cpu"):
     """The trainable model and its Adam optimizer, restored from the previous checkpoint if any."""
+    model = load_model(base_model, previous, config, device)
+    return model, optimizer_for(model, previous, config, device)
+
+
+def load_model(base_model: Path, previous: Path | None, config: TrainerConfig, device: str = "cpu"):
+    """The policy's weights from the previous checkpoint (or `base_model`), made trainable."""
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, resolved_dtype(config.dtype, device, config.lora_rank))
     policy = Checkpoint(previous).policy(base_model) if previous is not None else Policy(base_model)
     model = AutoModelForCausalLM.from_pretrained(str(policy.weights), dtype=dtype).to(device)
-    return prepare_policy(model, previous, config, device)
+    return trainable(model, previous, config)
 
 
 def prepare_policy(model, previous: Path | None, config: TrainerConfig, device: str = "cpu"):
     """A loaded model made trainable (no KV cache, checkpointing, LoRA) with its Adam optimizer."""
+    model = trainable(model, previous, config)
+    return model, optimizer_for(model, previous, config, device)
+
+
+def trainable(model, previous: Path | None, config: TrainerConfig):
+    """No KV cache, checkpointed activations, and the LoRA adapter (the previous checkpoint's, or a new one)."""
     from peft import LoraConfig, PeftModel, get_peft_model
 
     model.config.use_cache = False  # training never decodes: no KV cache
     if config.gradient_checkpointing:  # activations of each layer recomputed in the backward pass
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if config.lora_rank:
-        if previous is not None:
-            model = PeftModel.from_pretrained(model, str(Checkpoint(previous).adapter), is_trainable=True)
-        else:
-            torch.manual_seed(config.seed)  # LoRA's A matrices start random
-            lora = LoraConfig(
-                r=config.lora_rank,
-                lora_alpha=config.lora_alpha,
-                lora_dropout=0.0,
-                target_modules="all-linear",
-                task_type="CAUSAL_LM",
-            )
-            model = get_peft_model(model, lora)
+    if not config.lora_rank:
+        return model
+    if previous is not None:
+        return PeftModel.from_pretrained(model, str(Checkpoint(previous).adapter), is_trainable=True)
+    torch.manual_seed(config.seed)  # LoRA's A matrices start random
+    lora = LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=0.0,
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
+
+
+def optimizer_for(model, previous: Path | None, config: TrainerConfig, device: str = "cpu"):
+    """Adam over the model's trainable weights (as this process holds them: sharded under FSDP2), with the previous
+    checkpoint's state and random state."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.Adam(parameters, lr=config.learning_rate, betas=(config.beta1, config.beta2))
     if previous is not None:
-        checkpoint = Checkpoint(previous)
-        optimizer.load_state_dict(torch.load(checkpoint.optimizer, map_location=device, weights_only=True))
-        restore_rng(checkpoint.rng)
-    return model, optimizer
+        parallel.restore_optimizer(model, optimizer, Checkpoint(previous).optimizer, device)
+        restore_rng(Checkpoint(previous).rng)
+    return optimizer
 
 
 def _micro_batch_tensors(
@@ -126,16 +139,19 @@ def policy_pass(
 ) -> PolicyPass:
     """One pass over this process's share of the micro-batches. With `weights` it backpropagates the
     loss (gradients add up in .grad); without, it only measures, under no_grad."""
-    rank, world = _rank_and_world()
     seen = PolicyPass([], [], [])
-    for batch in batches[rank::world]:
-        tensors = _micro_batch_tensors(datums, batch, weights or [0.0] * len(datums), device)
+    for batch, counted, last in parallel.share_of_micro_batches(batches):
+        tensors = _micro_batch_tensors(datums, batch, (weights if counted else None) or [0.0] * len(datums), device)
         mask = tensors["loss_mask"]
         in_bfloat16 = resolved_autocast(config.autocast_bfloat16, device) == "true"
-        autocast = torch.autocast(torch.device(device).type, torch.bfloat16, enabled=in_bfloat16)
-        with torch.set_grad_enabled(weights is not None), autocast:
-            logprobs, entropy = token_logprobs(
-                model,
+        # Under FSDP2 autocast must not cache its bfloat16 casts: they would keep every gathered layer alive.
+        autocast = torch.autocast(
+            torch.device(device).type, torch.bfloat16, enabled=in_bfloat16, cache_enabled=not parallel.sharded(model)
+        )
+        # DDP reduces the gradients in the last backward pass only: the earlier ones accumulate locally.
+        no_sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
+        with torch.set_grad_enabled(weights is not None), autocast, no_sync:
+            logprobs, entropy = parallel.logprobs_of(model)(
                 tensors["input_ids"],
                 tensors["attention_mask"],
                 tensors["targets"],
@@ -146,9 +162,12 @@ def policy_pass(
             )
             if weights is not None:
                 loss, clipped = token_loss(logprobs, tensors["old_logprobs"], tensors["advantages"], config)
-                (loss * tensors["weights"]).sum().backward()
+                # DDP and FSDP2 average over the processes; the weights already make the sum the mini-batch's gradient.
+                (loss * tensors["weights"]).sum().mul(parallel.rank_and_world()[1]).backward()
                 seen.loss += float((loss.detach() * tensors["weights"]).sum())
-                seen.clipped += int(clipped[mask].sum())
+                seen.clipped += int(clipped[mask].sum()) if counted else 0
+        if not counted:
+            continue
         seen.logprobs.append(logprobs.detach()[mask])
         seen.entropies.append(entropy[mask])
         seen.sampler_logprobs.append(tensors["old_logprobs"][mask])
@@ -165,15 +184,6 @@ def accumulate_gradients(
 ) -> PolicyPass:
     """Backward over this process's share of the micro-batches; gradients add up in .grad."""
     return policy_pass(model, datums, batches, config, device, weights)
-
-
-def _summed_over_processes(sums: dict[str, float], device: str) -> dict[str, float]:
-    """Each process measured its own micro-batches: the step's figures are the sums over all of them."""
-    if _rank_and_world()[1] == 1:
-        return sums
-    values = torch.tensor(list(sums.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(values, op=dist.ReduceOp.SUM)
-    return dict(zip(sums, values.tolist()))
 
 
 def drift_sums(before: PolicyPass, after: PolicyPass | None, config: TrainerConfig) -> dict[str, float]:
@@ -215,14 +225,8 @@ def _update(model, optimizer, parameters, chosen, config, num_samples, device) -
     weights = loss_token_weights([d.loss_tokens for d in chosen], config.loss_aggregation, num_samples)
     optimizer.zero_grad(set_to_none=True)
     seen = accumulate_gradients(model, chosen, batches, weights, config, device)
-    # Several processes each took every K-th micro-batch: their gradients add up to the whole mini-batch's.
-    if _rank_and_world()[1] > 1:
-        for parameter in parameters:
-            if parameter.grad is None:  # this process had no micro-batch
-                parameter.grad = torch.zeros_like(parameter)
-            dist.all_reduce(parameter.grad, op=dist.ReduceOp.SUM)
     # Clipping bounds a step that a few extreme-advantage tokens would otherwise dominate.
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm))
+    grad_norm = parallel.as_number(torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return seen, grad_norm
@@ -262,7 +266,7 @@ def train_step(
             grad_norms.append(grad_norm)
     # The updated policy, measured on the same tokens: how far the step moved it (KL, ratios outside the clip).
     after = policy_pass(model, datums, whole, config, device) if config.objective == "ppo" and datums else None
-    sums = _summed_over_processes(
+    sums = parallel.summed_over_processes(
         {"loss": loss, "clipped": clipped, **drift_sums(before or PolicyPass([], [], []), after, config)}, device
     )
     seconds = time.perf_counter() - started
@@ -308,15 +312,6 @@ def _step_metrics(
 # -- one step from files, in-process or under torchrun ------------------------------------------------
 
 
-def check_memory(base_model: Path, config: TrainerConfig, device: str) -> None:
-    """On a GPU, before the model loads: the step's memory plan, printed, and refused when it does not fit the
-    memory free now (beside the sampler, which sleeps while a step trains)."""
-    if device.startswith("cuda"):
-        plan = plan_step(model_shape(base_model), config, device)
-        print(f"memory plan of the training step: {plan.describe()}", flush=True)
-        check_plan(plan, torch.cuda.mem_get_info()[0])
-
-
 @dataclass(frozen=True)
 class StepInputs:
     """What one PPO step trains from and where it writes: the in-process call and every torchrun process read it."""
@@ -345,18 +340,21 @@ def train_from_files(inputs: StepInputs, device: str = "cpu") -> StepMetrics:
     config, base_model = inputs.config, inputs.base_model
     if inputs.previous is None:
         set_seed(config.seed)
-    check_memory(base_model, config, device)
+    check_memory(base_model, config, device, parallel.rank_and_world()[1])
     datums = datums_from_table(read_table(inputs.datums, DATUMS))
-    model, optimizer = load_policy(base_model, inputs.previous, config, device)
+    model = load_model(base_model, inputs.previous, config, parallel.on_device_before_sharding(config, device))
+    trained = parallel.data_parallel(model, config, device)
+    optimizer = optimizer_for(model, inputs.previous, config, device)  # over the weights as this process holds them
     try:
         metrics = train_step(
-            model, optimizer, datums, config, inputs.num_trajectories, device, inputs.zero_variance_groups
+            trained, optimizer, datums, config, inputs.num_trajectories, device, inputs.zero_variance_groups
         )
         check_policy_sync(metrics, config, inputs.previous or base_model)
-        if _rank_and_world()[0] == 0:
-            save_checkpoint(inputs.out, model, optimizer, metrics, config, base_model)
+        gathered = parallel.whole_state(model, optimizer, trained)  # every process takes part; the first writes
+        if parallel.rank_and_world()[0] == 0:
+            save_checkpoint(inputs.out, model, optimizer, metrics, config, base_model, gathered=gathered)
     finally:
-        del model, optimizer
+        del model, optimizer, trained
         release_memory(device)
     return metrics
 
