@@ -90,10 +90,10 @@ def data_parallel(model, config: TrainerConfig, device: str):
     return DDP(wrapped.to(device), device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True)
 
 
-def on_device_before_sharding(config: TrainerConfig, device: str) -> str:
-    """Where the weights load: FSDP2 shards from host memory, so that no GPU ever holds the whole model."""
-    sharded = rank_and_world()[1] > 1 and resolved_data_parallel(config.data_parallel, config.lora_rank) == "fsdp"
-    return "cpu" if sharded else device
+def loads_on(config: TrainerConfig, device: str) -> str:
+    """Where the weights load: FSDP2 shards them from host memory, so that no GPU ever holds the whole model."""
+    sharding = rank_and_world()[1] > 1 and resolved_data_parallel(config.data_parallel, config.lora_rank) == "fsdp"
+    return "cpu" if sharding else device
 
 
 def summed_over_processes(sums: dict[str, float], device: str) -> dict[str, float]:

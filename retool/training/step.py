@@ -46,13 +46,14 @@ def load_policy(base_model: Path, previous: Path | None, config: TrainerConfig, 
     return model, optimizer_for(model, previous, config, device)
 
 
-def load_model(base_model: Path, previous: Path | None, config: TrainerConfig, device: str = "cpu"):
-    """The policy's weights from the previous checkpoint (or `base_model`), made trainable."""
+def load_model(base_model: Path, previous: Path | None, config: TrainerConfig, device: str = "cpu", on: str = ""):
+    """The policy's weights from the previous checkpoint (or `base_model`) for training on `device`, made trainable;
+    `on`: where they load, if not there (FSDP2 shards them from host memory)."""
     from transformers import AutoModelForCausalLM
 
     dtype = getattr(torch, resolved_dtype(config.dtype, device, config.lora_rank))
     policy = Checkpoint(previous).policy(base_model) if previous is not None else Policy(base_model)
-    model = AutoModelForCausalLM.from_pretrained(str(policy.weights), dtype=dtype).to(device)
+    model = AutoModelForCausalLM.from_pretrained(str(policy.weights), dtype=dtype).to(on or device)
     return trainable(model, previous, config)
 
 
@@ -342,7 +343,7 @@ def train_from_files(inputs: StepInputs, device: str = "cpu") -> StepMetrics:
         set_seed(config.seed)
     check_memory(base_model, config, device, parallel.rank_and_world()[1])
     datums = datums_from_table(read_table(inputs.datums, DATUMS))
-    model = load_model(base_model, inputs.previous, config, parallel.on_device_before_sharding(config, device))
+    model = load_model(base_model, inputs.previous, config, device, parallel.loads_on(config, device))
     trained = parallel.data_parallel(model, config, device)
     optimizer = optimizer_for(model, inputs.previous, config, device)  # over the weights as this process holds them
     try:
