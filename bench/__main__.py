@@ -19,6 +19,7 @@ from bench.benchmarks import (
 from bench.cluster import bench_cluster
 from bench.learning import LEARNING_SAMPLES, LEARNING_STEPS, bench_learning
 from bench.server import bench_server
+from bench.train_io import bench_train_io
 from retool.weights.models import build_default_model
 
 BENCHMARKS = {
@@ -31,6 +32,7 @@ BENCHMARKS = {
     "learning": bench_learning,
     "server": bench_server,
     "cluster": bench_cluster,
+    "train-io": bench_train_io,
 }
 
 

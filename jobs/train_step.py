@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -15,14 +16,16 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from retool.config.sampler import engine_dtype
 from retool.config.settings import RunSettings
+from retool.config.trainer import saves_in_full
 from retool.evaluation.metrics import ROLLOUT_STAGES, TRAINING_STAGE, describe_step, stage_seconds, step_metrics
 from retool.evaluation.tracking import Tracker, scalars
 from retool.files.layout import RunFolder
 from retool.files.tables import OBSERVATIONS, TRAJECTORIES, read_table, write_table_atomically
 from retool.rollout.scoring import zero_variance_groups
 from retool.run.shared import sandbox_for
-from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memory
+from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memory, sampler_kind
 from retool.training.record import StepMetrics, describe_metrics
 from retool.weights.checkpoint import Checkpoint
 from retool.weights.models import rl_base
@@ -44,8 +47,12 @@ def train_step(
     the cold start's checkpoint `cold_start`, or the model setting); `observations`: every round's, and
     `timings`: the rollout stages' wall times, for the metrics."""
     from retool.training.checkpoints import prune_checkpoints  # torch: only once a step trains
-    from retool.training.step import StepInputs
+    from retool.training.resume import StepInputs
 
+    # The trainer stays in this process between steps when Luigi runs the tasks here (one worker) and one process
+    # trains; only then may a step skip the full save, which the held state makes at the end of the command.
+    resident = run.run.train_processes == 1 and multiprocessing.parent_process() is None
+    full_save = not resident or saves_in_full(step, run.trainer.save_every)
     kept = [row for row in read_table(trajectories, TRAJECTORIES).to_pylist() if row["kept"]]
     inputs = StepInputs(
         base_model=rl_base(cold_start, run.model.name),
@@ -55,9 +62,13 @@ def train_step(
         previous=previous,
         out=checkpoint,
         config=run.trainer_on_device(),
+        served_in="" if full_save else engine_dtype(run.sampler, run.run.device),
     )
     release_sampler_memory(run)  # the sampler sleeps while the step trains on the GPU
-    training = _train(inputs, run) if run.run.train_processes > 1 else _train_here(inputs, run.run.device)
+    if run.run.train_processes > 1:
+        training = _train(inputs, run)
+    else:
+        training = _train_here(inputs, run.run.device, held_on(run) if resident else "")
     reclaim_sampler_memory(run)
     # Old checkpoints' weights go once this one is written (metrics and markers stay).
     folder = RunFolder(run.run_dir)
@@ -66,10 +77,16 @@ def train_step(
     return f"{describe_metrics(training)}\n  {line}"
 
 
-def _train_here(inputs, device: str) -> StepMetrics:
-    from retool.training.step import train_from_files
+def _train_here(inputs, device: str, hold_on: str) -> StepMetrics:
+    from retool.training.resume import train_from_files
 
-    return train_from_files(inputs, device)
+    return train_from_files(inputs, device, hold_on)
+
+
+def held_on(run: RunSettings) -> str:
+    """Where the trainer waits between steps: the host while an engine in this process samples on the same GPU."""
+    colocated = run.run.device == "cuda" and sampler_kind(run) in ("vllm", "hf")
+    return "cpu" if colocated else run.run.device
 
 
 def _train(inputs, run: RunSettings) -> StepMetrics:
@@ -115,7 +132,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from retool.training.step import StepInputs, train_from_files
+    from retool.training.resume import StepInputs, train_from_files
 
     parser = argparse.ArgumentParser(prog="torchrun ... -m jobs.train_step", description="One PPO step's process.")
     parser.add_argument("--inputs", type=Path, required=True, help="a StepInputs as JSON")

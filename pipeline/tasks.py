@@ -19,6 +19,7 @@ from pipeline.config import EvalSpecParameter, current_settings
 from pipeline.outcome import note_end, note_failure, note_start, watch_if_named_on_the_command_line
 from retool.config.rollout import RolloutConfig
 from retool.config.settings import RunSettings
+from retool.config.trainer import replayed_steps
 from retool.evaluation.metrics import record_stage_seconds
 from retool.evaluation.spec import EvalSpec, check_evaluated_checkpoint, evaluation_settings
 from retool.files.layout import RoundPaths, RunFolder, StepFolder
@@ -254,7 +255,9 @@ class TrainStep(RunTask):
         observations = [r["observations"] for rounds in self.all_rounds() for r in rounds]
         step = {"datums": self.clone(BuildDatums), "trajectories": self.clone(ScoreTrajectories)}
         previous = {"previous": TrainStep(step=self.step - 1)} if self.step > 0 else {}  # step 0 starts from rl_base
-        return {**step, "observations": observations, **previous, **self.rl_base()}
+        # Steps since the newest full save, which a resume replays from their datums (see retool/training/resume.py).
+        replayed = [BuildDatums(step=s) for s in replayed_steps(self.step, self.settings.trainer.save_every)]
+        return {**step, "observations": observations, **previous, **self.rl_base(), "replayed": replayed}
 
     def output(self):
         """The checkpoint's marker and the step's metrics: a run killed between the two trains the

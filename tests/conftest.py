@@ -15,6 +15,15 @@ from retool.weights.models import DEFAULT_MODEL_DIR, build_default_model, build_
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(autouse=True)
+def no_trainer_held_between_tests():
+    """A test's run leaves no trainer state in the process for the next test (nor a full save at exit)."""
+    yield
+    from retool.training import resident
+
+    resident.drop()
+
+
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     return build_default_model(DEFAULT_MODEL_DIR)

@@ -17,7 +17,8 @@ from retool.rollout.datums import Datum, datums_from_table
 from retool.training.checkpoints import prune_checkpoints, save_checkpoint
 from retool.training.losses import token_logprobs
 from retool.training.packing import loss_token_weights, pack_micro_batches
-from retool.training.step import StepInputs, accumulate_gradients, load_policy, train_step
+from retool.training.resume import StepInputs
+from retool.training.step import accumulate_gradients, load_policy, train_step
 
 CONFIG = TrainerConfig(
     lora_rank=8, lora_alpha=16, learning_rate=5e-3, gradient_checkpointing=False, autocast_bfloat16="false"

@@ -197,15 +197,15 @@ def test_every_process_serves_a_lora_policy_through_one_server_and_the_next_poli
 
 
 def test_the_server_sleeps_while_a_step_trains_and_wakes_after(configure, server, monkeypatch):
-    import retool.training.step
+    import retool.training.resume
     from pipeline import TrainStep
 
     calls = []
     monkeypatch.setattr(ServerSampler, "sleep", lambda self: calls.append("sleep"))
     monkeypatch.setattr(ServerSampler, "wake", lambda self: calls.append("wake"))
-    real_train = retool.training.step.train_from_files
+    real_train = retool.training.resume.train_from_files
     monkeypatch.setattr(
-        retool.training.step, "train_from_files", lambda *a, **k: calls.append("train") or real_train(*a, **k)
+        retool.training.resume, "train_from_files", lambda *a, **k: calls.append("train") or real_train(*a, **k)
     )
     settings = configure(
         "sleep",

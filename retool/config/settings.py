@@ -150,7 +150,7 @@ class RunSettings:
 OPERATIONAL = {
     "run": ("name", "runs_dir", "train_processes", "keep_last", "keep_every", "tracker"),
     "sandbox": ("max_workers", "python", "contain", "prewarmed"),
-    "trainer": ("data_parallel",),  # the order of a sum's terms at most
+    "trainer": ("data_parallel", "save_every"),  # the order of a sum's terms at most; a resume replays to the same bits
     "sampler": (
         "gpu_memory_utilization",
         "sleep_while_training",

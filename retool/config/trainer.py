@@ -47,6 +47,10 @@ class TrainerConfig:
     logprob_chunk_tokens: int = 1024  # loss tokens whose vocabulary-wide logits exist at once
     max_sampler_gap: float = 0.0  # fail a step whose mean |trainer - sampler| logprob exceeds this; 0 = no check
     seed: int = 42  # initial LoRA weights
+    # Steps between full saves (Adam state, random state, weights in the trainer's dtype): the other steps write
+    # only what the sampler loads, and a resume replays them from their datums (30: a 4B full fine-tune writes
+    # under 10 GB a step on average, docs/training.md); 1 = every step. A command's last step always saves in full.
+    save_every: int = 30
     # The sampling temperature the logprobs are taken at, so that PPO's ratio is against the distribution the
     # sampler drew from (set by the code: the run's [rollout] temperature; 1 for the cold start)
     temperature: float = 1.0
@@ -66,8 +70,19 @@ class TrainerConfig:
         autocast = str(self.autocast_bfloat16).lower()
         require(self, "autocast_bfloat16", autocast in SWITCHES, "auto, true or false")
         object.__setattr__(self, "autocast_bfloat16", autocast)
-        for name in ("micro_batch_items", "micro_batch_tokens", "ppo_mini_batches", "ppo_epochs"):
+        for name in ("micro_batch_items", "micro_batch_tokens", "ppo_mini_batches", "ppo_epochs", "save_every"):
             require(self, name, getattr(self, name) > 0, "> 0")
+
+
+def saves_in_full(step: int, save_every: int) -> bool:
+    """Whether RL step `step` writes a full save (Adam and random state) by the cadence."""
+    return (step + 1) % save_every == 0
+
+
+def replayed_steps(step: int, save_every: int) -> range:
+    """The steps a resume of `step` may replay: those after the newest full save before it by the cadence."""
+    last_full = max((s for s in range(step) if saves_in_full(s, save_every)), default=-1)
+    return range(last_full + 1, step)
 
 
 def resolved_dtype(dtype: str, device: str, lora_rank: int) -> str:

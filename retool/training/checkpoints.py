@@ -16,21 +16,28 @@ import numpy as np
 import torch
 
 from retool.config.trainer import TrainerConfig
-from retool.training.parallel import whole_state
+from retool.training.parallel import untied, whole_state
 from retool.training.record import StepMetrics
 from retool.weights.checkpoint import TOKENIZER_FILES, Checkpoint
 
 
+def random_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_random_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
 def save_rng(path: Path) -> None:
-    torch.save({"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}, path)
+    torch.save(random_state(), path)
 
 
 def restore_rng(path: Path) -> None:
     if path.exists():
-        state = torch.load(path, weights_only=False)
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
+        set_random_state(torch.load(path, weights_only=False))
 
 
 def save_checkpoint(
@@ -42,13 +49,20 @@ def save_checkpoint(
     tokenizer_source: Path,
     extra: dict[str, Any] | None = None,
     gathered: tuple[dict | None, dict] | None = None,
+    served_in: str = "",
 ) -> None:
     """Writes the whole checkpoint beside its final place, marks it _SUCCESS, then renames it: a
     killed write leaves no folder that looks complete. A PEFT model saves its adapter, any other
     model its full weights with the tokenizer; the Adam state by parameter name; `extra` adds JSON
     files. `gathered`: the weights and Adam state that every process gathered from their shards
-    (see parallel.whole_state); None: this process's own."""
-    weights, optimizer_state = gathered or whole_state(model, optimizer)
+    (see parallel.whole_state); None: this process's own. `served_in`: not a full save, only what a sampler
+    loads: full weights in that dtype (the engine's), no Adam or random state."""
+    weights, optimizer_state = gathered or whole_state(model, None if served_in else optimizer)
+    if served_in and not hasattr(model, "peft_config"):
+        dtype = getattr(torch, served_in)
+        weights = untied(
+            model, {k: v.to(dtype) if v.is_floating_point() else v for k, v in (weights or model.state_dict()).items()}
+        )
     for stale in folder.parent.glob(f".{folder.name}.tmp-*"):  # left by a writer that was killed
         shutil.rmtree(stale, ignore_errors=True)
     temporary = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
@@ -63,8 +77,9 @@ def save_checkpoint(
         for name in TOKENIZER_FILES:
             if (tokenizer_source / name).exists():
                 shutil.copy(tokenizer_source / name, checkpoint.model / name)
-    torch.save(optimizer_state, checkpoint.optimizer)
-    save_rng(checkpoint.rng)
+    if not served_in:
+        torch.save(optimizer_state, checkpoint.optimizer)
+        save_rng(checkpoint.rng)
     checkpoint.metrics.write_text(json.dumps(asdict(metrics), indent=2) + "\n")
     checkpoint.trainer_config.write_text(json.dumps(asdict(config), indent=2) + "\n")
     checkpoint.marker.write_text("")
@@ -74,12 +89,14 @@ def save_checkpoint(
 
 
 def prune_checkpoints(checkpoints: list[tuple[int, Path]], keep_last: int, keep_every: int) -> list[Path]:
-    """Drops the weights and optimizer state of old checkpoints (metrics and _SUCCESS stay): keeps
-    the newest `keep_last`, and every step divisible by `keep_every` (0 = none). Returns what it pruned."""
+    """Drops the weights and optimizer state of old checkpoints (inputs, metrics and _SUCCESS stay): keeps
+    the newest `keep_last`, every step divisible by `keep_every` (0 = none), and the newest full save (which a
+    resume replays the later steps from). Returns what it pruned."""
     pruned = []
     ordered = sorted(checkpoints)
+    resume_point = next((folder for _, folder in reversed(ordered) if Checkpoint(folder).holds_state), None)
     for step, folder in ordered[: max(0, len(ordered) - keep_last)]:
-        if keep_every and step % keep_every == 0:
+        if (keep_every and step % keep_every == 0) or folder == resume_point:
             continue
         for target in Checkpoint(folder).weights_and_state:
             if target.is_dir():

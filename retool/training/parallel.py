@@ -110,14 +110,14 @@ def as_number(norm: torch.Tensor) -> float:
     return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
-def whole_state(model, optimizer, trained=None) -> tuple[dict | None, dict]:
-    """The weights (None: the model's own, unsharded) and the Adam state by parameter name, whole, in the first
-    process's memory; under FSDP2 (`trained` sharded) every process takes part in gathering them."""
+def whole_state(model, optimizer, trained=None) -> tuple[dict | None, dict | None]:
+    """The weights (None: the model's own, unsharded) and the Adam state by parameter name (None: no `optimizer`),
+    whole, in the first process's memory; under FSDP2 (`trained` sharded) every process takes part in gathering."""
     if not sharded(trained):
-        return None, get_optimizer_state_dict(model, optimizer)
+        return None, get_optimizer_state_dict(model, optimizer) if optimizer is not None else None
     trained.reshard()  # the outermost unit keeps its weights gathered after a forward pass
     weights = untied(model, get_model_state_dict(model, options=WHOLE))
-    return weights, get_optimizer_state_dict(model, optimizer, options=WHOLE)
+    return weights, get_optimizer_state_dict(model, optimizer, options=WHOLE) if optimizer is not None else None
 
 
 def untied(model, weights: dict) -> dict:

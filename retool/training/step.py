@@ -12,10 +12,9 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
-import json
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,12 +22,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from retool.config.trainer import TrainerConfig, resolved_autocast, resolved_dtype
-from retool.files.tables import DATUMS, read_table
-from retool.rollout.datums import Datum, datums_from_table
+from retool.rollout.datums import Datum
 from retool.training import parallel
-from retool.training.checkpoints import restore_rng, save_checkpoint
+from retool.training.checkpoints import restore_rng
 from retool.training.losses import token_loss
-from retool.training.memory_plan import check_memory
 from retool.training.packing import MicroBatch, loss_token_weights, pack_micro_batches
 from retool.training.record import StepMetrics
 from retool.weights.checkpoint import Checkpoint, Policy
@@ -310,60 +307,12 @@ def _step_metrics(
     )
 
 
-# -- one step from files, in-process or under torchrun ------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """What one PPO step trains from and where it writes: the in-process call and every torchrun process read it."""
-
-    base_model: Path  # the weights RL starts from, which LoRA adapters apply to
-    datums: Path  # the step's datums.parquet
-    num_trajectories: int  # trajectories of the groups that train (sample_mean's denominator)
-    zero_variance_groups: int  # groups of equal rewards, recorded in the metrics
-    previous: Path | None  # the checkpoint of the step before (None: the base model)
-    out: Path  # the checkpoint this step writes
-    config: TrainerConfig  # the [trainer] section for the device, `auto` resolved
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), default=str)
-
-    @classmethod
-    def from_json(cls, text: str) -> StepInputs:
-        fields = json.loads(text)
-        names = ("base_model", "datums", "previous", "out")
-        paths = {name: Path(fields[name]) if fields[name] else None for name in names}
-        return cls(**{**fields, **paths, "config": TrainerConfig(**fields["config"])})
-
-
-def train_from_files(inputs: StepInputs, device: str = "cpu") -> StepMetrics:
-    """One PPO step from the datums file into a checkpoint, after the policy-sync check (see check_policy_sync)."""
-    config, base_model = inputs.config, inputs.base_model
-    if inputs.previous is None:
-        set_seed(config.seed)
-    check_memory(base_model, config, device, parallel.rank_and_world()[1])
-    datums = datums_from_table(read_table(inputs.datums, DATUMS))
-    model = load_model(base_model, inputs.previous, config, device, parallel.loads_on(config, device))
-    trained = parallel.data_parallel(model, config, device)
-    optimizer = optimizer_for(model, inputs.previous, config, device)  # over the weights as this process holds them
-    try:
-        metrics = train_step(
-            trained, optimizer, datums, config, inputs.num_trajectories, device, inputs.zero_variance_groups
-        )
-        check_policy_sync(metrics, config, inputs.previous or base_model)
-        gathered = parallel.whole_state(model, optimizer, trained)  # every process takes part; the first writes
-        if parallel.rank_and_world()[0] == 0:
-            save_checkpoint(inputs.out, model, optimizer, metrics, config, base_model, gathered=gathered)
-    finally:
-        del model, optimizer, trained
-        release_memory(device)
-    return metrics
-
-
-def release_memory(device: str) -> None:
+def release_memory(device: str, collect: bool = True) -> None:
     """After training, the sampler in this process gets the memory back: CUDA's cached blocks, or on a CPU
-    the heap that glibc keeps for reuse once tensors are freed (gigabytes after a training step)."""
-    gc.collect()
+    the heap that glibc keeps for reuse once tensors are freed (gigabytes after a training step). `collect`: the
+    model was let go, so the garbage collector frees what its reference cycles hold (a quarter second)."""
+    if collect:
+        gc.collect()
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
         return

@@ -2,7 +2,8 @@
 
 A checkpoint holds either full weights (`model/`: safetensors, config and tokenizer, as transformers saves
 them) or a LoRA adapter (`adapter/`, as PEFT saves it) trained over the run's base weights; then the
-optimizer state, the random state, the step's metrics and the trainer settings, and `_SUCCESS` last."""
+optimizer state and the random state (a full save: every [trainer] save_every steps), the step's inputs (what a
+resume replays it from), its metrics and the trainer settings, and `_SUCCESS` last."""
 
 from __future__ import annotations
 
@@ -41,6 +42,10 @@ class Checkpoint:
         return self.path / "rng.pt"
 
     @property
+    def inputs(self) -> Path:
+        return self.path / "inputs.json"
+
+    @property
     def metrics(self) -> Path:
         return self.path / "metrics.json"
 
@@ -57,8 +62,13 @@ class Checkpoint:
         return self.adapter.is_dir()
 
     @property
+    def holds_state(self) -> bool:
+        """A full save: training resumes from it without replaying a step."""
+        return self.optimizer.exists()
+
+    @property
     def weights_and_state(self) -> tuple[Path, ...]:
-        """What retention prunes from an old checkpoint (its metrics and marker stay)."""
+        """What retention prunes from an old checkpoint (its inputs, metrics and marker stay)."""
         return (self.adapter, self.model, self.optimizer, self.rng)
 
     def policy(self, base_model: Path) -> Policy:

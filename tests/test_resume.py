@@ -1,0 +1,136 @@
+"""The trainer kept in memory between steps, and checkpoints by cadence: a resume replays the steps since the
+newest full save from their datums, to the same bits as a run that never stopped."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, replace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import retool.training.resume
+from retool.files.tables import DATUMS, table_from_rows, write_table_atomically
+from retool.training import resident
+from retool.training.resume import ResumeError, StepInputs, train_from_files
+from retool.weights.checkpoint import Checkpoint
+from tests.test_trainer import CONFIG, make_datum
+
+STEPS = 7
+
+
+def write_datums(folder, step):
+    """A step's datums: other completions and advantages each step, so that every update differs."""
+    datums = [
+        make_datum(0, g, list(range(100, 130)), list(range(300 + 20 * g + step, 310 + 20 * g + step)), adv, [-3.0] * 10)
+        for g, adv in enumerate([1.0, -1.0, 0.5 - step % 2])
+    ]
+    rows = [{"step": step, **asdict(d), "num_tokens": d.num_tokens} for d in datums]
+    path = folder / f"step={step:04d}" / "datums.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_table_atomically(table_from_rows(rows, DATUMS), path)
+    return path
+
+
+def train(folder, model_dir, config, steps, save_every, resident_trainer=True):
+    """Steps `steps` of a run in `folder`, as jobs/train_step.py trains them (full saves by the cadence)."""
+    for step in steps:
+        inputs = StepInputs(
+            model_dir,
+            write_datums(folder, step),
+            3,
+            0,
+            folder / f"step={step - 1:04d}" / "checkpoint" if step else None,
+            folder / f"step={step:04d}" / "checkpoint",
+            config,
+            served_in="" if (step + 1) % save_every == 0 or not resident_trainer else "bfloat16",
+        )
+        train_from_files(inputs, "cpu", "cpu" if resident_trainer else "")
+
+
+def state_of(checkpoint):
+    """A full save's weights and Adam state."""
+    held = Checkpoint(checkpoint)
+    weights = load_file(
+        held.adapter / "adapter_model.safetensors" if held.holds_adapter else held.model / "model.safetensors"
+    )
+    return weights, torch.load(held.optimizer, weights_only=False)
+
+
+def assert_bit_equal(a, b):
+    (weights_a, adam_a), (weights_b, adam_b) = a, b
+    assert weights_a.keys() == weights_b.keys()
+    for name in weights_a:
+        assert torch.equal(weights_a[name], weights_b[name]), name
+    assert adam_a["state"].keys() == adam_b["state"].keys()
+    for name, state in adam_a["state"].items():
+        for key, value in state.items():
+            assert torch.equal(value, adam_b["state"][name][key]), (name, key)
+
+
+CONFIGS = [CONFIG, replace(CONFIG, lora_rank=0, learning_rate=1e-4)]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["lora", "full"])
+def test_a_resume_after_a_kill_replays_from_the_last_full_save_to_the_same_bits(tiny_model_dir, tmp_path, config):
+    """save_every = 4: step 3 saves in full; killed after step 4, the command again replays step 4 to train step 5."""
+    config = replace(config, save_every=4)
+    train(tmp_path / "whole", tiny_model_dir, config, range(STEPS), 4)
+    resident.save_at_exit()  # the command's end: its last step saved in full
+    train(tmp_path / "killed", tiny_model_dir, config, range(5), 4)
+    resident.drop()  # killed: nothing saved at exit
+    step = tmp_path / "killed" / "step={:04d}" / "checkpoint"
+    assert Checkpoint(step.parent.parent / "step=0003" / "checkpoint").holds_state
+    assert not Checkpoint(tmp_path / "killed" / "step=0004" / "checkpoint").holds_state
+    replayed = []
+    real = retool.training.resume.train_step
+    retool.training.resume.train_step = lambda *a, **k: replayed.append(len(a[2])) or real(*a, **k)
+    try:
+        train(tmp_path / "killed", tiny_model_dir, config, range(5, STEPS), 4)
+    finally:
+        retool.training.resume.train_step = real
+    resident.save_at_exit()
+    assert len(replayed) == 3  # step 4 replayed, then steps 5 and 6 trained
+    last = f"step={STEPS - 1:04d}/checkpoint"
+    assert_bit_equal(state_of(tmp_path / "whole" / last), state_of(tmp_path / "killed" / last))
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["lora", "full"])
+def test_the_resident_trainer_gives_the_checkpoints_of_one_that_loads_each_step(tiny_model_dir, tmp_path, config):
+    """Three steps held in memory (the policy loaded once) equal three steps that each load the step before's full
+    save from disk; the steps in between write only what the sampler loads."""
+    loads = []
+    real = retool.training.resume.load_model
+    retool.training.resume.load_model = lambda *a, **k: loads.append(a[1]) or real(*a, **k)
+    try:
+        train(tmp_path / "held", tiny_model_dir, replace(config, save_every=20), range(3), 20)
+    finally:
+        retool.training.resume.load_model = real
+    assert loads == [None]  # the base model, once
+    held = Checkpoint(tmp_path / "held" / "step=0001" / "checkpoint")
+    assert not held.holds_state and held.inputs.exists()
+    if not config.lora_rank:  # what the engine loads, in its dtype
+        assert {t.dtype for t in load_file(held.model / "model.safetensors").values()} == {torch.bfloat16}
+    resident.save_at_exit()
+    train(tmp_path / "loaded", tiny_model_dir, config, range(3), 1, resident_trainer=False)
+    last = "step=0002/checkpoint"
+    assert_bit_equal(state_of(tmp_path / "held" / last), state_of(tmp_path / "loaded" / last))
+
+
+def test_a_held_state_is_taken_only_for_its_own_checkpoint(tiny_model_dir, tmp_path):
+    train(tmp_path / "run", tiny_model_dir, replace(CONFIG, save_every=20), range(1), 20)
+    checkpoint = tmp_path / "run" / "step=0000" / "checkpoint"
+    assert resident.take(checkpoint, tiny_model_dir, replace(CONFIG, learning_rate=1.0)) is None  # other settings
+    assert resident.take(checkpoint, tiny_model_dir, CONFIG) is None  # what was held is gone
+    train(tmp_path / "run", tiny_model_dir, replace(CONFIG, save_every=20), range(1), 20)
+    Checkpoint(checkpoint).marker.unlink()
+    Checkpoint(checkpoint).marker.write_text("")  # written again: another state
+    assert resident.take(checkpoint, tiny_model_dir, CONFIG) is None
+
+
+def test_a_checkpoint_that_cannot_be_replayed_is_named(tiny_model_dir, tmp_path):
+    train(tmp_path / "run", tiny_model_dir, replace(CONFIG, save_every=20), range(1), 20)
+    resident.drop()
+    Checkpoint(tmp_path / "run" / "step=0000" / "checkpoint").inputs.unlink()
+    with pytest.raises(ResumeError, match=r"step=0000/checkpoint holds no Adam state and no inputs.json"):
+        train(tmp_path / "run", tiny_model_dir, replace(CONFIG, save_every=20), range(1, 2), 20)
