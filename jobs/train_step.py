@@ -5,13 +5,10 @@ step's metrics -> metrics.parquet. Also the torchrun worker: `torchrun --nproc-p
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -27,7 +24,6 @@ from retool.rollout.scoring import zero_variance_groups
 from retool.run.shared import sandbox_for
 from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memory, sampler_kind
 from retool.training.record import StepMetrics, describe_metrics
-from retool.weights.checkpoint import Checkpoint
 from retool.weights.models import rl_base
 
 
@@ -49,9 +45,11 @@ def train_step(
     from retool.training.checkpoints import prune_checkpoints  # torch: only once a step trains
     from retool.training.resume import StepInputs
 
-    # The trainer stays in this process between steps when Luigi runs the tasks here (one worker) and one process
-    # trains; only then may a step skip the full save, which the held state makes at the end of the command.
-    resident = run.run.train_processes == 1 and multiprocessing.parent_process() is None
+    # The trainer stays between steps in this process (one training process, Luigi running the tasks here) or in
+    # the command's training group (several); only then may a step skip the full save, which the held state makes
+    # at the end of the command.
+    in_group = run.run.train_processes > 1
+    resident = in_group or multiprocessing.parent_process() is None
     full_save = not resident or saves_in_full(step, run.trainer.save_every)
     kept = [row for row in read_table(trajectories, TRAJECTORIES).to_pylist() if row["kept"]]
     inputs = StepInputs(
@@ -65,8 +63,8 @@ def train_step(
         served_in="" if full_save else engine_dtype(run.sampler, run.run.device),
     )
     release_sampler_memory(run)  # the sampler sleeps while the step trains on the GPU
-    if run.run.train_processes > 1:
-        training = _train(inputs, run)
+    if in_group:
+        training = _train_in_group(inputs, run)
     else:
         training = _train_here(inputs, run.run.device, held_on(run) if resident else "")
     reclaim_sampler_memory(run)
@@ -84,22 +82,21 @@ def _train_here(inputs, device: str, hold_on: str) -> StepMetrics:
 
 
 def held_on(run: RunSettings) -> str:
-    """Where the trainer waits between steps: the host while an engine in this process samples on the same GPU."""
-    colocated = run.run.device == "cuda" and sampler_kind(run) in ("vllm", "hf")
-    return "cpu" if colocated else run.run.device
+    """Where the trainer waits between steps: the host while a sampler uses the same GPUs (an engine in this
+    process, or servers that sleep while a step trains: colocated); the GPU when the servers have their own."""
+    in_process = sampler_kind(run) in ("vllm", "hf")
+    colocated = in_process or (sampler_kind(run) == "vllm-server" and run.sampler.sleep_while_training)
+    return "cpu" if run.run.device == "cuda" and colocated else run.run.device
 
 
-def _train(inputs, run: RunSettings) -> StepMetrics:
-    """Under torchrun, one process per GPU; rank 0 writes the checkpoint and its metrics."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as file:
-        file.write(inputs.to_json())
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    command += [str(run.run.train_processes), "-m", "jobs.train_step", "--inputs", file.name]
-    try:
-        subprocess.run(command, check=True)
-    finally:
-        Path(file.name).unlink()
-    return StepMetrics(**json.loads(Checkpoint(inputs.out).metrics.read_text()))
+def _train_in_group(inputs, run: RunSettings) -> StepMetrics:
+    """The command's training group (one process per GPU, started at its first step) trains the step."""
+    from retool.training.group import group_for, train_in_group
+
+    folder = RunFolder(run.run_dir).trainer_group
+    command = multiprocessing.parent_process()  # Luigi's worker processes are the command's children
+    pid = group_for(folder, run.run.train_processes, held_on(run), command.pid if command else os.getpid())
+    return train_in_group(folder, pid, inputs)
 
 
 def write_metrics(
@@ -128,21 +125,32 @@ def write_metrics(
 
 
 def main() -> None:
-    """One torchrun process: binds its GPU, joins the process group (NCCL, or gloo on a CPU) and trains."""
+    """One torchrun process: binds its GPU, joins the process group (NCCL, or gloo on a CPU) and trains one step
+    (--inputs), or every step the command hands its training group (--serve)."""
     import torch
     import torch.distributed as dist
 
+    from retool.training.group import serve_steps
     from retool.training.resume import StepInputs, train_from_files
 
-    parser = argparse.ArgumentParser(prog="torchrun ... -m jobs.train_step", description="One PPO step's process.")
-    parser.add_argument("--inputs", type=Path, required=True, help="a StepInputs as JSON")
-    inputs = StepInputs.from_json(parser.parse_args().inputs.read_text())
+    parser = argparse.ArgumentParser(prog="torchrun ... -m jobs.train_step", description="A PPO step's process.")
+    parser.add_argument("--inputs", type=Path, help="a StepInputs as JSON: train this step and exit")
+    parser.add_argument("--serve", type=Path, help="the training group's folder: train the steps handed to it")
+    parser.add_argument("--parent", type=int, help="--serve: the command's process; the group stops without it")
+    parser.add_argument("--hold-on", default="", help="--serve: where the state waits between steps")
+    args = parser.parse_args()
+    if (args.inputs is None) == (args.serve is None):
+        parser.error("give --inputs or --serve")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if "WORLD_SIZE" in os.environ:
         if device == "cuda":  # before the process group, so that NCCL binds each rank to its own GPU
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    train_from_files(inputs, device)
+        # A group waits for its next step while the command samples: no collective may time out meanwhile.
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(hours=24))
+    if args.serve:
+        serve_steps(args.serve, args.parent, args.hold_on, device)
+    else:
+        train_from_files(StepInputs.from_json(args.inputs.read_text()), device)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

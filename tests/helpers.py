@@ -88,3 +88,40 @@ def fake_vllm_server(served: dict) -> http.server.HTTPServer:
     server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+def fake_completions_server(model: str, reply, requests: list) -> http.server.ThreadingHTTPServer:
+    """An HTTP server in threads of this process that answers as vLLM's server does for `model`: /health and
+    /v1/models, the calls a client makes around sampling (adapters, prefix cache, sleep), and /v1/completions with
+    `reply(body, index)` -> the tokens of choice `index` (logprob -0.25 each). Each completion request's body is
+    appended to `requests`."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def answer(self, payload: dict) -> None:
+            body = json.dumps(payload).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self):
+            self.answer({"data": [{"id": model, "parent": None}]})
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+            if self.path != "/v1/completions":
+                return self.answer({})
+            requests.append(body)
+            choices = []
+            for index in range(body["n"]):
+                tokens = reply(body, index)[: body["max_tokens"]]
+                logprobs = {"token_logprobs": [-0.25] * len(tokens)}
+                choices.append({"index": index, "token_ids": tokens, "logprobs": logprobs, "finish_reason": "stop"})
+            self.answer({"choices": choices})
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server

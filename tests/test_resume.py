@@ -134,3 +134,46 @@ def test_a_checkpoint_that_cannot_be_replayed_is_named(tiny_model_dir, tmp_path)
     Checkpoint(tmp_path / "run" / "step=0000" / "checkpoint").inputs.unlink()
     with pytest.raises(ResumeError, match=r"step=0000/checkpoint holds no Adam state and no inputs.json"):
         train(tmp_path / "run", tiny_model_dir, replace(CONFIG, save_every=20), range(1, 2), 20)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS, ids=["lora", "full"])
+def test_a_training_group_holds_the_state_between_steps_and_trains_as_one_process(tiny_model_dir, tmp_path, config):
+    """Two gloo processes started once (DDP for the LoRA, FSDP2 for the full fine-tune), handed three steps through
+    the run folder: the state is loaded once and held, the last step is saved in full when the group stops, and
+    the weights equal one process's within float32 tolerance (the order of the sums differs)."""
+    import os
+
+    from retool.training.group import RECORD, TrainingGroupError, group_for, stop_group, train_in_group
+
+    config = replace(config, micro_batch_items=1, save_every=20)
+    folder = tmp_path / "group" / "trainer"
+    pid = group_for(folder, 2, "cpu", os.getpid())
+    assert group_for(folder, 2, "cpu", os.getpid()) == pid  # the command's own group, started once
+    with pytest.raises(TrainingGroupError, match="belongs to another command still running"):
+        group_for(folder, 2, "cpu", os.getppid())
+    try:
+        for step in range(3):
+            inputs = StepInputs(
+                tiny_model_dir,
+                write_datums(tmp_path / "group", step),
+                3,
+                0,
+                tmp_path / "group" / f"step={step - 1:04d}" / "checkpoint" if step else None,
+                tmp_path / "group" / f"step={step:04d}" / "checkpoint",
+                config,
+                served_in="bfloat16",
+            )
+            assert train_in_group(folder, pid, inputs).datums == 3
+    finally:
+        stop_group(folder, os.getpid())
+    assert not (folder / RECORD).exists()
+    log = (folder / "group.log").read_text()
+    assert log.count("starts from the state held in memory") == 2 * 2, log[-3000:]  # steps 1 and 2, each process
+    train(tmp_path / "one", tiny_model_dir, config, range(3), 20)
+    resident.save_at_exit()
+    last = "step=0002/checkpoint"
+    (weights, adam), (one_weights, one_adam) = state_of(tmp_path / "group" / last), state_of(tmp_path / "one" / last)
+    assert weights.keys() == one_weights.keys() and adam["state"].keys() == one_adam["state"].keys()
+    for name in weights:
+        torch.testing.assert_close(weights[name], one_weights[name], rtol=0, atol=1e-4, msg=name)

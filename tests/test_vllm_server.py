@@ -268,7 +268,9 @@ def _commands_sample_from_their_own_runs_server(config, runs, port: int, server_
     other = subprocess.run([*sample, "--run-name", "other"], cwd=REPO, capture_output=True, text=True, env=environment)
     output = other.stdout + other.stderr
     assert other.returncode != 0 and "Traceback" not in output
-    assert f"server_port = {port}: the port is in use by pid {server_pid} (" in output  # not the served run's server
+    assert (
+        f"server_port = {port}: the port {port} is in use by pid {server_pid} (" in output
+    )  # not the served run's server
 
 
 def _group_of(pid: int) -> int | None:

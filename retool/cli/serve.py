@@ -1,15 +1,17 @@
-"""`python -m retool serve`: starts vLLM's OpenAI-compatible server for a run's model and waits. Every command of
-that run with [sampler] engine = vllm-server samples through it. Ctrl-C or SIGTERM stops it (vLLM's processes
-too) and removes its record."""
+"""`python -m retool serve`: starts vLLM's OpenAI-compatible servers for a run's model ([sampler] engines of them,
+each on its own [sampler] tensor_parallel_size GPUs) and waits. Every command of that run with [sampler] engine =
+vllm-server samples through them, shard s on server s mod engines. Ctrl-C or SIGTERM stops them (vLLM's processes
+too) and removes their record; so does one of them exiting."""
 
 from __future__ import annotations
 
 import argparse
 import signal
+import time
 
 from retool.config.settings import SettingsError
 from retool.files.layout import RunFolder
-from retool.sampling.server import start_server, stop_server, write_record
+from retool.sampling.server import start_servers, stop_server, write_record
 
 
 class Stopped(Exception):
@@ -44,26 +46,33 @@ def main() -> None:
     # Python's own handlers, installed after every import: a native extension's (polars') restarts the wait.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, stop_on_signal)
+    count = settings.sampler.engines
     print(
-        f"starting vLLM for run {settings.run.name} ({settings.model.name}) on port {port} (log: {folder.server_log})",
+        f"starting {count} vLLM server(s) for run {settings.run.name} ({settings.model.name}) on port(s) "
+        f"{port}..{port + count - 1} (log: {folder.server_log})",
         flush=True,
     )
-    process = None
+    started = []
     try:
-        process, url = start_server(settings, port, folder.server_log)
-        write_record(settings, url, process.pid, "user")
-        print(f"serving at {url}; recorded in {folder.server_record}. Ctrl-C stops it.", flush=True)
-        process.wait()
-        print(f"the vLLM server exited with code {process.returncode}; see {folder.server_log}", flush=True)
+        started = start_servers(settings, port, folder.server_log)
+        write_record(settings, [(url, process.pid) for process, url in started], "user")
+        urls = ", ".join(url for _, url in started)
+        print(f"serving at {urls}; recorded in {folder.server_record}. Ctrl-C stops them.", flush=True)
+        while all(process.poll() is None for process, _ in started):
+            time.sleep(1.0)
+        for process, url in started:
+            if process.poll() is not None:
+                print(f"the vLLM server at {url} exited with code {process.returncode}; see the logs", flush=True)
     except SettingsError as error:
         parser.exit(2, f"python -m retool serve: {error}\n")
     except Stopped as signal_name:
-        print(f"{signal_name}: stopping the vLLM server", flush=True)
+        print(f"{signal_name}: stopping the vLLM servers", flush=True)
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
-        if process is not None:
+        for process, _ in started:
             stop_server(process)
+        if started:
             folder.server_record.unlink(missing_ok=True)
             print("stopped", flush=True)
 

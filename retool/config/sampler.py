@@ -24,6 +24,10 @@ class SamplerConfig:
     gpu_memory_utilization: float = 0.5  # vLLM on a GPU: the share of its memory the engine may take
     sleep_while_training: bool = True  # vLLM on a GPU: weights to CPU and KV cache freed while a step trains
     servers: str = ""  # vllm-server: comma-separated URLs (shard s uses server s mod count); "" = the run's own
+    # vllm-server: the servers a run starts (`retool serve`, or a command that finds none), on ports server_port,
+    # server_port + 1, ..., each on its own tensor_parallel_size GPUs; shard s samples on server s mod engines
+    engines: int = 1
+    tensor_parallel_size: int = 1  # GPUs one vLLM engine spans (a model too large for one GPU); 1 on a CPU
     start_server: bool = True  # vllm-server: start one when none answers (stopped when the command ends)
     server_port: int = 8300  # vllm-server: the port of a server started by `python -m retool serve` or a command
     request_timeout_seconds: float = 600.0  # vllm-server: a call that takes longer fails (and is retried)
@@ -34,6 +38,14 @@ class SamplerConfig:
         require(self, "dtype", self.dtype in ("auto", "float32", "bfloat16"), "auto, float32 or bfloat16")
         require(self, "request_timeout_seconds", self.request_timeout_seconds > 0, "positive")
         require(self, "gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]")
+        for name in ("engines", "tensor_parallel_size"):
+            require(self, name, getattr(self, name) > 0, "positive")
+
+
+def engine_gpus(config: SamplerConfig, index: int) -> str:
+    """The GPUs (CUDA_VISIBLE_DEVICES) of the run's `index`-th server: its own tensor_parallel_size of them."""
+    size = config.tensor_parallel_size
+    return ",".join(str(gpu) for gpu in range(index * size, (index + 1) * size))
 
 
 def engine_dtype(config: SamplerConfig, device: str) -> str:

@@ -155,6 +155,7 @@ OPERATIONAL = {
         "gpu_memory_utilization",
         "sleep_while_training",
         "servers",
+        "engines",  # each request carries its seed: the same tokens from any server
         "start_server",
         "server_port",
         "request_timeout_seconds",

@@ -125,6 +125,11 @@ class RunFolder:
         return self.path / "sampler-server.json"
 
     @property
+    def trainer_group(self) -> Path:
+        """The resident training group's record, log and the step it is handed (retool/training/group.py)."""
+        return self.path / "trainer"
+
+    @property
     def server_log(self) -> Path:
         return self.path / "sampler-server.log"
 

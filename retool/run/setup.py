@@ -77,6 +77,14 @@ def check_machine(settings: RunSettings) -> None:
                 f"setting [run] train_processes = {settings.run.train_processes}, but this machine has "
                 f"{torch.cuda.device_count()} visible GPU(s): one training process per GPU"
             )
+        sampler = settings.sampler
+        engines = sampler.engines if sampler.engine == "vllm-server" and not sampler.servers else 1
+        if engines * sampler.tensor_parallel_size > torch.cuda.device_count():
+            raise SettingsError(
+                f"setting [sampler] engines = {engines} with tensor_parallel_size = {sampler.tensor_parallel_size} "
+                f"needs {engines * sampler.tensor_parallel_size} GPUs, but this machine has "
+                f"{torch.cuda.device_count()} visible: each engine has its own GPUs"
+            )
     resolve_model(settings.model.name)
     files = {
         "[model] chat_template": settings.model.chat_template,
@@ -94,7 +102,17 @@ LOCAL_ENGINES = ("auto", "hf", "vllm")  # engines that every worker process load
 def workers_warning(settings: RunSettings, workers: int) -> str | None:
     """Why `--workers K` would slow this run down: K worker processes each load their own local engine,
     and K engines share the machine's cores (or GPU) instead of one engine using them all."""
-    engine = settings.sampler.engine
+    engine, engines, shards = settings.sampler.engine, settings.sampler.engines, settings.rollout.shards
+    if engine == "vllm-server" and shards < engines:
+        return (
+            f"[rollout] shards = {shards} with [sampler] engines = {engines}: shard s samples on server s mod "
+            f"{engines}, so {engines - shards} server(s) get no work; set shards to a multiple of engines"
+        )
+    if engine == "vllm-server" and workers < engines and shards > workers:
+        return (
+            f"--workers {workers} with [sampler] engines = {engines}: at most {workers} of the run's servers sample "
+            f"at once (one shard per worker); run --workers {engines} to keep every engine busy"
+        )
     if workers <= 1 or engine not in LOCAL_ENGINES:
         return None
     if settings.run.device == "cuda":

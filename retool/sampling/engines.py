@@ -83,9 +83,10 @@ def _engine(settings: RunSettings, shard: int, policy: Policy | None = None) -> 
     urls = server_urls(settings) if kind == "vllm-server" else [""]
     key = (kind, settings.sampler, str(model_dir), settings.run.device, urls[shard % len(urls)])
     if key not in _engines:
-        for engine in _engines.values():
-            engine.close()  # free the old engine before loading another
-        _engines.clear()
+        if any(other[:-1] != key[:-1] for other in _engines):  # clients of the run's other servers stay
+            for engine in _engines.values():
+                engine.close()  # free the old engine before loading another
+            _engines.clear()
         _engines[key] = _load_engine(kind, settings, model_dir, urls[shard % len(urls)], policy)
     return _engines[key]
 
@@ -109,6 +110,7 @@ def _load_engine(kind: str, settings: RunSettings, model_dir: Path, url: str, po
             dtype=engine_dtype(settings.sampler, settings.run.device),
             weights=policy.weights if policy is not None else None,
             log_path=RunFolder(settings.run_dir).engine_log,
+            tensor_parallel_size=settings.sampler.tensor_parallel_size,
         )
     import torch
 

@@ -1,7 +1,8 @@
-"""The vLLM server's lifecycle: `python -m retool serve` starts vLLM's OpenAI-compatible server for the run's
-settings (the same config files as the pipeline) and records its address in runs/<run>/sampler-server.json,
-where every pipeline command of the run finds it. A command that finds no live server starts one itself
-(with [sampler] start_server) and stops it when the command ends; a server started here is left alone.
+"""The vLLM servers' lifecycle: `python -m retool serve` starts vLLM's OpenAI-compatible server for the run's
+settings (the same config files as the pipeline), one per [sampler] engines on its own GPUs, and records their
+addresses in runs/<run>/sampler-server.json, where every pipeline command of the run finds them. A command that
+finds none live starts them itself (with [sampler] start_server) and stops them when the command ends; servers
+started elsewhere are left alone.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from retool.config.sampler import engine_dtype
+from retool.config.sampler import engine_dtype, engine_gpus
 from retool.config.settings import RunSettings, SettingsError
 from retool.files.atomic import write_text_atomically
 from retool.files.layout import RunFolder
@@ -55,15 +56,21 @@ def server_command(settings: RunSettings, port: int) -> list[str]:
         command += ["--enforce-eager", "--no-enable-chunked-prefill"]
     else:
         command += ["--gpu-memory-utilization", str(settings.sampler.gpu_memory_utilization)]
+        command += ["--tensor-parallel-size", str(settings.sampler.tensor_parallel_size)]
         command += ["--enable-sleep-mode"] if settings.sampler.sleep_while_training else []
     if settings.trainer.lora_rank:
         command += ["--enable-lora", "--max-lora-rank", str(settings.trainer.lora_rank), "--max-loras", "1"]
     return command
 
 
-def server_environment(settings: RunSettings) -> dict[str, str]:
+def server_environment(settings: RunSettings, gpus: str = "") -> dict[str, str]:
+    """The server's environment; `gpus`: the GPUs it may see (CUDA_VISIBLE_DEVICES), "" = all."""
     environment = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1"}
     environment["VLLM_CONFIGURE_LOGGING"] = "1"  # its own lines, to its log file (this process may have turned it off)
+    if gpus:  # positions among the GPUs this process sees (a command run on some of the node's GPUs)
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+        ids = [visible[int(i)] if visible != [""] else i for i in gpus.split(",")]
+        environment["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
     return {**CPU_ENVIRONMENT, **environment} if settings.run.device == "cpu" else environment
 
 
@@ -87,32 +94,66 @@ def describe_process(pid: int | None) -> str:
         return "another process" if pid is None else f"pid {pid}"
 
 
-def check_port_free(port: int) -> None:
+def check_port_free(port: int, index: int = 0) -> None:
     """A port in use is an error naming what holds it: a server started there would exit, and a readiness
-    check would be answered by the other one."""
+    check would be answered by the other one. `index`: the run's server that would listen there."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         try:
             probe.bind(("0.0.0.0", port))
         except OSError:
+            which = f" (server {index} of [sampler] engines listens on server_port + {index})" if index else ""
             raise SettingsError(
-                f"setting [sampler] server_port = {port}: the port is in use by {describe_process(listening_pid(port))}"
-                "; stop it, or give this run another port (--sampler-server-port)"
+                f"setting [sampler] server_port = {port - index}{which}: the port {port} is in use by "
+                f"{describe_process(listening_pid(port))}; stop it, or give this run another port "
+                "(--sampler-server-port)"
             ) from None
 
 
-def start_server(settings: RunSettings, port: int, log_path: Path) -> tuple[subprocess.Popen, str]:
-    """Starts a server and waits until the process it started answers on `port` (not another server that
-    holds it); its output goes to `log_path`. Stopped again if the wait fails or is interrupted."""
-    check_port_free(port)
+def start_server(settings: RunSettings, port: int, log_path: Path, gpus: str = "") -> tuple[subprocess.Popen, str]:
+    """Starts a server on `gpus` and waits until the process it started answers on `port` (not another server
+    that holds it); its output goes to `log_path`. Stopped again if the wait fails or is interrupted."""
+    process = launch_server(settings, port, log_path, gpus)
+    return process, wait_until_answering(process, port, log_path)
+
+
+def start_servers(settings: RunSettings, port: int, log_path: Path) -> list[tuple[subprocess.Popen, str]]:
+    """The run's [sampler] engines servers, on ports `port`, `port` + 1, ..., each on its own GPUs, started at
+    once and waited for together (a server's start is mostly its own compilation); all stopped if one fails."""
+    count = settings.sampler.engines
+    logs = (
+        [log_path]
+        if count == 1
+        else [log_path.with_name(f"{log_path.stem}-{i}{log_path.suffix}") for i in range(count)]
+    )
+    on_gpu = settings.run.device == "cuda"
+    processes: list[subprocess.Popen] = []
+    try:
+        for index in range(count):
+            gpus = engine_gpus(settings.sampler, index) if on_gpu else ""
+            processes.append(launch_server(settings, port + index, logs[index], gpus, index))
+        return [(p, wait_until_answering(p, port + i, logs[i])) for i, p in enumerate(processes)]
+    except BaseException:
+        for process in processes:
+            stop_server(process)
+        raise
+
+
+def launch_server(settings: RunSettings, port: int, log_path: Path, gpus: str = "", index: int = 0) -> subprocess.Popen:
+    """The server process, started on `port` (free, else an error naming its holder); `index`: which of the run's."""
+    check_port_free(port, index)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
-        process = subprocess.Popen(
+        return subprocess.Popen(
             server_command(settings, port),
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=server_environment(settings),
+            env=server_environment(settings, gpus),
             start_new_session=True,  # its own process group: stopped as a whole, and Ctrl-C reaches the command only
         )
+
+
+def wait_until_answering(process: subprocess.Popen, port: int, log_path: Path) -> str:
+    """The server's URL once the process answers there; stopped if it exits, times out or is interrupted."""
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_SECONDS
     try:
@@ -127,7 +168,7 @@ def start_server(settings: RunSettings, port: int, log_path: Path) -> tuple[subp
     except BaseException:
         stop_server(process)
         raise
-    return process, url
+    return url
 
 
 def stop_server(process: subprocess.Popen, grace_seconds: float = 30.0) -> None:
@@ -147,34 +188,42 @@ def stop_server(process: subprocess.Popen, grace_seconds: float = 30.0) -> None:
         pass
 
 
-def write_record(settings: RunSettings, url: str, pid: int, started_by: str) -> None:
-    record = {"url": url, "pid": pid, "started_by": started_by, "model": str(resolve_model(settings.model.name))}
+def write_record(settings: RunSettings, servers: list[tuple[str, int]], started_by: str) -> None:
+    """Records the run's servers (URL and process) in runs/<run>/sampler-server.json."""
+    record = {
+        "servers": [{"url": url, "pid": pid} for url, pid in servers],
+        "started_by": started_by,
+        "model": str(resolve_model(settings.model.name)),
+    }
     write_text_atomically(RunFolder(settings.run_dir).server_record, json.dumps(record) + "\n")
 
 
-def recorded_url(settings: RunSettings) -> str | None:
-    """The run's recorded server, if the process recorded is the one that answers there and it serves the run's
-    model; a record that fails either test is removed, not trusted."""
+def recorded_urls(settings: RunSettings) -> list[str] | None:
+    """The run's recorded servers, if each recorded process is the one that answers at its URL and serves the
+    run's model; a record that fails either test is removed, not trusted. (A record of one server, as older
+    commands wrote it, counts as a list of one.)"""
     path = RunFolder(settings.run_dir).server_record
     try:
         record = json.loads(path.read_text())
-        url, pid = record["url"], int(record["pid"])
-        port = int(url.rsplit(":", 1)[1])
+        servers = record.get("servers") or [{"url": record["url"], "pid": record["pid"]}]
+        recorded = [(server["url"], int(server["pid"]), int(server["url"].rsplit(":", 1)[1])) for server in servers]
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, IndexError, TypeError):
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         path.unlink(missing_ok=True)
         return None
-    if listening_pid(port) == pid and is_healthy(url) and served_model(url) == str(resolve_model(settings.model.name)):
-        return url
-    log.warning("%s: removed; its server (%s, pid %d) is gone or serves another model", path, url, pid)
-    path.unlink(missing_ok=True)
-    return None
+    model = str(resolve_model(settings.model.name))
+    for url, pid, port in recorded:
+        if not (listening_pid(port) == pid and is_healthy(url) and served_model(url) == model):
+            log.warning("%s: removed; its server (%s, pid %d) is gone or serves another model", path, url, pid)
+            path.unlink(missing_ok=True)
+            return None
+    return [url for url, _, _ in recorded]
 
 
 def server_urls(settings: RunSettings) -> list[str]:
     """The servers a vllm-server run samples from: those listed in [sampler] servers, else the run's
-    recorded server if it answers, else (with start_server) one this command starts and later stops."""
+    recorded servers if they answer, else (with start_server) those this command starts and later stops."""
     listed = [url.strip().rstrip("/") for url in settings.sampler.servers.split(",") if url.strip()]
     if listed:
         dead = [url for url in listed if not is_healthy(url)]
@@ -182,18 +231,20 @@ def server_urls(settings: RunSettings) -> list[str]:
             raise SettingsError(f"setting [sampler] servers: no vLLM server answers at {', '.join(dead)}")
         used.update({url: "listed in [sampler] servers" for url in listed if url not in used})
         return listed
-    recorded = recorded_url(settings)
+    recorded = recorded_urls(settings)
     if recorded:
-        used.setdefault(recorded, f"the run's server (recorded in {RunFolder(settings.run_dir).server_record})")
-        return [recorded]
+        for url in recorded:
+            used.setdefault(url, f"the run's server (recorded in {RunFolder(settings.run_dir).server_record})")
+        return recorded
     if not settings.sampler.start_server:
         raise SettingsError(
             "setting [sampler] engine = vllm-server: no server answers (none listed in [sampler] servers, none "
             f"recorded in {RunFolder(settings.run_dir).server_record}); start one with `python -m retool serve` or "
             "set start_server"
         )
-    process, url = start_server(settings, settings.sampler.server_port, RunFolder(settings.run_dir).server_log)
-    write_record(settings, url, process.pid, "pipeline")
-    atexit.register(stop_server, process)  # started by this command: stopped when it ends
-    used[url] = f"started by this command, pid {process.pid}"
-    return [url]
+    started = start_servers(settings, settings.sampler.server_port, RunFolder(settings.run_dir).server_log)
+    write_record(settings, [(url, process.pid) for process, url in started], "pipeline")
+    for process, url in started:
+        atexit.register(stop_server, process)  # started by this command: stopped when it ends
+        used[url] = f"started by this command, pid {process.pid}"
+    return [url for _, url in started]

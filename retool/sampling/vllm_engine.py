@@ -69,9 +69,11 @@ class VLLMSampler:
         dtype: str = "",
         weights: str | Path | None = None,
         log_path: Path | None = None,
+        tensor_parallel_size: int = 1,
     ):
         """`weights`: the full weights to load first (a checkpoint's), if not the model's; `log_path`: where
-        vLLM's own log lines go (the terminal with RETOOL_DEBUG=1, or without a path)."""
+        vLLM's own log lines go (the terminal with RETOOL_DEBUG=1, or without a path); `tensor_parallel_size`:
+        the GPUs the engine spans."""
         if device == "cpu":
             for name, value in CPU_ENVIRONMENT.items():
                 os.environ.setdefault(name, value)
@@ -93,6 +95,7 @@ class VLLMSampler:
                 "dtype": dtype or "bfloat16",
                 "gpu_memory_utilization": gpu_memory_utilization,
                 "enable_sleep_mode": sleep_mode,
+                "tensor_parallel_size": tensor_parallel_size,
             }
         if lora_rank:
             options.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)

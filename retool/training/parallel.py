@@ -71,6 +71,12 @@ def sharded(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def wait_for_all() -> None:
+    """Every process of the step reaches this point before any goes on (nothing to wait for alone)."""
+    if rank_and_world()[1] > 1:
+        dist.barrier()
+
+
 def data_parallel(model, config: TrainerConfig, device: str):
     """The model as this process trains it: alone, the model itself; under torchrun, its token_logprobs wrapped in
     DDP or sharded by FSDP2 (each decoder layer a unit, then the rest), on `device`."""

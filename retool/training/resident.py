@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from retool.config.trainer import TrainerConfig
+from retool.training import parallel
 from retool.training.checkpoints import random_state, save_checkpoint, set_random_state
 from retool.training.record import StepMetrics
 from retool.weights.checkpoint import Checkpoint
@@ -32,6 +33,7 @@ class Held:
     base_model: Path  # the weights a LoRA applies to
     config: TrainerConfig  # the settings it trained under (save_every aside)
     model: Any  # the model, made trainable
+    trained: Any  # the model as this process trains it (itself, or its DDP or FSDP2 wrapper)
     optimizer: Any  # its Adam optimizer
     rng: dict  # the random state at the end of the step
     device: str  # where it trains; it is held on the host while a sampler in this process uses the GPU
@@ -49,13 +51,17 @@ def _same_settings(a: TrainerConfig, b: TrainerConfig) -> bool:
     return replace(a, save_every=1) == replace(b, save_every=1)
 
 
-def hold(checkpoint: Path, base_model: Path, config: TrainerConfig, model, optimizer, device: str, on: str) -> None:
+def hold(
+    checkpoint: Path, base_model: Path, config: TrainerConfig, model, trained, optimizer, device: str, on: str
+) -> None:
     """Keeps the state that `checkpoint` was just written from, on `on` (the host, or the training device)."""
     global _held
     drop()
     _move(model, optimizer, on)
-    _held = Held(checkpoint, _stamp(checkpoint), base_model, config, model, optimizer, random_state(), device)
-    atexit.register(save_at_exit)
+    stamp = _stamp(checkpoint)
+    _held = Held(checkpoint, stamp, base_model, config, model, trained, optimizer, random_state(), device)
+    if parallel.rank_and_world()[1] == 1:  # a training group saves it itself, all its processes together
+        atexit.register(save_at_exit)
 
 
 def take(checkpoint: Path | None, base_model: Path, config: TrainerConfig) -> Held | None:
@@ -81,18 +87,23 @@ def drop() -> None:
 
 
 def save_at_exit() -> None:
-    """The command ends: the held step saved in full, unless it is already (or its checkpoint is gone)."""
+    """The command ends: the held step saved in full, unless it is already (or its checkpoint is gone). In a
+    training group every process calls it: they gather the state together, the first writes it."""
     global _held
     held, _held = _held, None
     checkpoint = Checkpoint(held.checkpoint) if held is not None else None
     if checkpoint is None or checkpoint.holds_state or not checkpoint.marker.exists():
         return
     set_random_state(held.rng)
+    _move(held.model, held.optimizer, held.device)
+    gathered = parallel.whole_state(held.model, held.optimizer, held.trained)
+    if parallel.rank_and_world()[0]:
+        return
     metrics = StepMetrics(**json.loads(checkpoint.metrics.read_text()))
     inputs = json.loads(checkpoint.inputs.read_text()) if checkpoint.inputs.exists() else None
     save_checkpoint(
         held.checkpoint, held.model, held.optimizer, metrics, held.config, held.base_model,
-        extra={"inputs.json": inputs} if inputs else None,
+        {"inputs.json": inputs} if inputs else None, gathered,
     )  # fmt: skip
 
 

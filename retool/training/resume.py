@@ -9,6 +9,7 @@ the random state, and a resume replays the steps since, to the same bits."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +23,8 @@ from retool.training.memory_plan import check_memory
 from retool.training.record import StepMetrics
 from retool.training.step import check_policy_sync, load_model, optimizer_for, release_memory, set_seed, train_step
 from retool.weights.checkpoint import Checkpoint
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,8 @@ def train_from_files(inputs: StepInputs, device: str = "cpu", hold_on: str = "")
                 inputs.out, model, optimizer, metrics, config, base_model, extra, gathered, inputs.served_in
             )
         if hold_on:
-            resident.hold(inputs.out, base_model, config, model, optimizer, device, hold_on)
+            parallel.wait_for_all()  # the checkpoint's marker, which the held state is known by, is written
+            resident.hold(inputs.out, base_model, config, model, trained, optimizer, device, hold_on)
     finally:
         del model, optimizer, trained
         release_memory(device, collect=not hold_on)
@@ -87,8 +91,10 @@ def starting_state(inputs: StepInputs, device: str):
     config, base_model = inputs.config, inputs.base_model
     held = resident.take(inputs.previous, base_model, config)
     if held is not None:
-        return held.model, held.model, held.optimizer
+        log.info("%s: starts from the state held in memory", inputs.out)
+        return held.model, held.trained, held.optimizer
     replays, start = steps_to_replay(inputs.previous)
+    log.info("%s: starts from %s, %d step(s) replayed", inputs.out, start or base_model, len(replays))
     if start is None:
         set_seed(config.seed)
     model = load_model(base_model, start, config, device, parallel.loads_on(config, device))
