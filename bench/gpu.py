@@ -13,6 +13,8 @@ and named under "skipped". `--dry-run` runs every phase on the CPU with tiny sha
                      reserved peak after the build, step seconds, and model FLOPs utilisation counting the FLOPs
                      each mode does (LoRA 4, full 6 per parameter and token)
   save_load          seconds to save a full step's checkpoint (weights, Adam state) and load it back
+  resident           three steps of the tiny Qwen3.5 held on the host between steps against three that load from
+                     disk: the largest difference of the final weights, LoRA and full fine-tune
 """
 
 from __future__ import annotations
@@ -133,6 +135,44 @@ def check_tiny_qwen35(workdir: Path, device: str) -> dict:
         "served_under_language_model": all(k.startswith("base_model.model.model.language_model.") for k in served),
         "seconds": round(time.perf_counter() - started, 1),
     }
+
+
+def resident_steps(workdir: Path, device: str) -> dict:
+    """Three steps of the tiny Qwen3.5, LoRA and full fine-tune, the state held on the host between steps (as
+    beside a sampler on the same GPU) against each step loading its predecessor from disk: the largest difference
+    between their final weights (0 on a CPU; on a GPU, what nondeterministic kernels leave)."""
+    from safetensors.torch import load_file
+
+    from retool.files.tables import DATUMS, table_from_rows, write_table_atomically
+    from retool.training import resident
+    from retool.training.resume import StepInputs, train_from_files
+
+    base = build_tiny_qwen35(workdir / "tiny-qwen35")
+    rows = [
+        {"step": 0, **asdict(d), "num_tokens": d.num_tokens} for d in random_datums(4, 256, TINY_QWEN35["vocab_size"])
+    ]
+    write_table_atomically(table_from_rows(rows, DATUMS), workdir / "datums.parquet")
+    figures = {}
+    for name, rank in (("lora", 8), ("full", 0)):
+        config = TrainerConfig(
+            lora_rank=rank, lora_alpha=16, learning_rate=1e-4, autocast_bfloat16=_autocast(device),
+            gradient_checkpointing=device == "cuda", micro_batch_tokens=1024,
+        )  # fmt: skip
+        final = {}
+        for mode, hold_on in (("held", "cpu"), ("loaded", "")):
+            folder = workdir / f"{name}-{mode}"
+            for step in range(3):
+                previous = folder / f"step{step - 1}" if step else None
+                inputs = StepInputs(base, workdir / "datums.parquet", 4, 0, previous, folder / f"step{step}", config)
+                train_from_files(inputs, device, hold_on)
+            resident.drop()
+            weights = "adapter/" + ADAPTER_WEIGHTS if rank else "model/model.safetensors"
+            final[mode] = load_file(str(folder / "step2" / weights))
+        differences = [
+            float((final["held"][k].float() - final["loaded"][k].float()).abs().max()) for k in final["held"]
+        ]
+        figures[f"{name}_max_difference_held_against_loaded"] = max(differences)
+    return figures
 
 
 def _autocast(device: str) -> str:
@@ -338,6 +378,7 @@ def main() -> None:
             "lora": lambda: policy_step(shape, lora, device),
             "full": lambda: policy_step(shape, full, device),
             "save_load": lambda: save_load(Path(workdir) / "save", shape, device),
+            "resident": lambda: resident_steps(Path(workdir) / "resident", device),
         }
         run_phases(phases, figures, args.out, started + args.deadline_seconds, device)
     measured = figures.get("environment", {}).get("measured_matmul_tflops")

@@ -138,7 +138,16 @@ def test_the_gpu_check_runs_every_phase_on_a_cpu_and_writes_its_figures(tmp_path
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(out.read_text())
-    phases = ("environment", "checkpoint_keys", "tiny_lora", "bfloat16_updates", "lora", "full", "save_load")
+    phases = (
+        "environment",
+        "checkpoint_keys",
+        "tiny_lora",
+        "bfloat16_updates",
+        "lora",
+        "full",
+        "save_load",
+        "resident",
+    )
     assert not figures["skipped"] and all(name in figures for name in phases)
     keys = figures["checkpoint_keys"]
     assert keys["saved_tensors"] > 0 and not keys["missing_language_model_names"] and not keys["names_not_published"]
@@ -150,6 +159,10 @@ def test_the_gpu_check_runs_every_phase_on_a_cpu_and_writes_its_figures(tmp_path
         assert updates[f"lr {rate}, float32_master"] > 0.99 > updates[f"lr {rate}, bfloat16_weights"]
     assert figures["full"]["tokens_per_second"] > 0 and "mfu_of_measured_peak" in figures["full"]
     assert figures["save_load"]["checkpoint_mib"] > 0
+    resident = figures["resident"]  # held through the host and back: on a CPU, the same bits as loaded from disk
+    assert (
+        resident["lora_max_difference_held_against_loaded"] == resident["full_max_difference_held_against_loaded"] == 0
+    )
 
 
 @vllm_only

@@ -238,7 +238,7 @@ def test_serve_stops_with_its_vllm_processes_on_a_signal_and_removes_its_record(
     while not record.exists() and serve.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
     assert record.exists(), serve.communicate(timeout=60)[0]
-    server_pid = json.loads(record.read_text())["pid"]
+    server_pid = json.loads(record.read_text())["servers"][0]["pid"]
     group = [p.pid for p in psutil.process_iter(["pid"]) if _group_of(p.pid) == server_pid]
     assert server_pid in group
     if signum == signal.SIGINT:  # once: commands of the served run, and of another run, while it serves
