@@ -40,6 +40,7 @@ class Held:
 
 
 _held: Held | None = None
+_saves_at_exit = False  # save_at_exit is registered to run when the process ends
 
 
 def _stamp(checkpoint: Path) -> tuple[int, int]:
@@ -55,13 +56,14 @@ def hold(
     checkpoint: Path, base_model: Path, config: TrainerConfig, model, trained, optimizer, device: str, on: str
 ) -> None:
     """Keeps the state that `checkpoint` was just written from, on `on` (the host, or the training device)."""
-    global _held
+    global _held, _saves_at_exit
     drop()
     _move(model, optimizer, on)
     stamp = _stamp(checkpoint)
     _held = Held(checkpoint, stamp, base_model, config, model, trained, optimizer, random_state(), device)
-    if parallel.rank_and_world()[1] == 1:  # a training group saves it itself, all its processes together
+    if parallel.rank_and_world()[1] == 1 and not _saves_at_exit:  # a training group saves it itself, all together
         atexit.register(save_at_exit)
+        _saves_at_exit = True
 
 
 def take(checkpoint: Path | None, base_model: Path, config: TrainerConfig) -> Held | None:
