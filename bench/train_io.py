@@ -12,7 +12,7 @@ import torch
 
 from bench.benchmarks import _random_datums
 from bench.gpu import QWEN35_4B
-from retool.config.trainer import TrainerConfig, resolved_autocast
+from retool.config.trainer import TrainerConfig, resolved_autocast, saves_in_full
 from retool.files.tables import DATUMS, table_from_rows, write_table_atomically
 from retool.training import resident
 from retool.training.memory_plan import shape_of
@@ -46,7 +46,7 @@ def run_mode(folder: Path, config: TrainerConfig, held: bool) -> dict[str, float
     totals = {"seconds": 0.0, "training": 0.0, "read": 0.0, "written": 0.0}
     for step in range(STEPS):
         previous = folder / f"step{step - 1}" if step else None
-        full = not held or (step + 1) % SAVE_EVERY == 0
+        full = not held or saves_in_full(step, SAVE_EVERY)
         inputs = StepInputs(model_dir, path, 6, 0, previous, folder / f"step{step}", config, "" if full else "bfloat16")
         started = time.perf_counter()
         metrics = train_from_files(inputs, "cpu", "cpu" if held else "")

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import retool.training.resume
+from retool.config.trainer import saves_in_full
 from retool.files.tables import DATUMS, table_from_rows, write_table_atomically
 from retool.training import resident
 from retool.training.resume import ResumeError, StepInputs, train_from_files
@@ -43,7 +44,7 @@ def train(folder, model_dir, config, steps, save_every, resident_trainer=True):
             folder / f"step={step - 1:04d}" / "checkpoint" if step else None,
             folder / f"step={step:04d}" / "checkpoint",
             config,
-            served_in="" if (step + 1) % save_every == 0 or not resident_trainer else "bfloat16",
+            served_in="" if saves_in_full(step, save_every) or not resident_trainer else "bfloat16",
         )
         train_from_files(inputs, "cpu", "cpu" if resident_trainer else "")
 
