@@ -15,6 +15,16 @@ from retool.sampling import engines
 from retool.weights.models import policy_of
 
 
+def held_weights(checkpoint: Path | None):
+    """The policy's full weights as this process's resident trainer holds them, if it does (see
+    retool.training.resident.held_weights): the sampler then reads no file."""
+    if checkpoint is None:
+        return None
+    from retool.training.resident import held_weights  # torch: only once there is a trained policy
+
+    return held_weights(checkpoint)
+
+
 def sample_round(
     prompts: Path,
     rounds: Sequence[RoundPaths],
@@ -34,7 +44,7 @@ def sample_round(
     status(f"sampling for {sum(not t.done for t in trajectories)} live trajectories")
 
     def sampler():  # loaded, and switched to the policy, only when there is something to sample
-        return engines.sampler_for(run, policy_of(checkpoint, rl_base, run.model.name), shard)
+        return engines.sampler_for(run, policy_of(checkpoint, rl_base, run.model.name), shard, held_weights(checkpoint))
 
     table = samples_table(trajectories, sampler, protocol, settings.rollout, step, round_index)
     write_table_atomically(table, out)

@@ -274,3 +274,36 @@ def test_a_full_weights_engine_sleeps_at_level_2_and_wakes_into_the_next_policys
     lora.sleep()
     lora.wake()
     assert lora.llm.calls == [("sleep", 1), ("wake_up", None)]  # the base weights it serves LoRA over are kept
+
+
+def test_a_full_weights_engine_wakes_into_weights_sent_from_the_trainers_memory(monkeypatch):
+    """With the weight-transfer backend configured, the held policy is sent where the files would be reloaded:
+    into the woken weight buffers, before the KV cache; nothing is read from the checkpoint."""
+    from pathlib import Path
+
+    import retool.sampling.vllm_engine
+    from retool.weights.checkpoint import Policy
+
+    engine = gpu_engine(lora=False)
+    engine.options.update(dtype="bfloat16", weight_transfer_config={"backend": "ipc"})
+    sent = {"lm_head.weight": torch.ones(2)}
+
+    def send_weights(in_memory, dtype, client):
+        assert client.llm is engine.llm
+        engine.llm.calls.append(("send_weights", sorted(in_memory), dtype))
+
+    monkeypatch.setattr(retool.sampling.vllm_engine, "send_weights", send_weights)
+    engine.sleep()
+    engine.use_policy(Policy(Path("step0/model"), None), sent)
+    assert engine.llm.calls == [
+        ("sleep", 2),
+        ("wake_up", ["weights"]),
+        ("send_weights", ["lm_head.weight"], "bfloat16"),
+        ("wake_up", ["kv_cache"]),
+        ("reset_prefix_cache",),
+    ]
+    assert engine.weights == Path("step0/model")
+    del engine.options["weight_transfer_config"]  # an engine without it (tensor parallel, LoRA) reads the files
+    engine.sleep()
+    engine.use_policy(Policy(Path("step1/model"), None), sent)
+    assert ("reload_weights", "step1/model") in engine.llm.calls

@@ -48,6 +48,12 @@ def engine_gpus(config: SamplerConfig, index: int) -> str:
     return ",".join(str(gpu) for gpu in range(index * size, (index + 1) * size))
 
 
+def takes_weights_in_memory(config: SamplerConfig, device: str, lora_rank: int, colocated: bool) -> bool:
+    """Whether a vLLM engine takes each new policy from the trainer's memory (vLLM's CUDA IPC weight transfer:
+    full weights, an engine on one GPU that the trainer's process shares: `colocated`) rather than its files."""
+    return device == "cuda" and not lora_rank and config.tensor_parallel_size == 1 and colocated
+
+
 def engine_dtype(config: SamplerConfig, device: str) -> str:
     """The dtype `auto` stands for on a device: bfloat16 where it computes bfloat16 natively, else float32."""
     if config.dtype != "auto":

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from retool.weights.checkpoint import Policy
 
@@ -52,8 +52,10 @@ class Sampler(Protocol):
         """One list of `request.num_samples` sequences per request, in request order."""
         ...
 
-    def use_policy(self, policy: Policy | None) -> None:
-        """Samples from `policy` from now on; None: the model the engine was started with."""
+    def use_policy(self, policy: Policy | None, in_memory: Mapping[str, Any] | None = None) -> None:
+        """Samples from `policy` from now on; None: the model the engine was started with. `in_memory`: the
+        policy's full weights by parameter name, as the trainer in this process holds them, which an engine that
+        can load weights in place takes instead of reading the policy's files."""
         ...
 
     def sleep(self) -> None:

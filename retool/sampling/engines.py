@@ -4,13 +4,15 @@ switched to each task's policy."""
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
-from retool.config.sampler import engine_dtype
+from retool.config.sampler import engine_dtype, engine_gpus, takes_weights_in_memory
 from retool.config.settings import RunSettings, SettingsError
 from retool.files.layout import RunFolder
 from retool.sampling.contract import Sampler
-from retool.sampling.server import server_urls
+from retool.sampling.server import server_takes_weights_in_memory, server_urls
 from retool.sampling.server_client import ServerSampler
 from retool.sampling.vllm_engine import vllm_available
 from retool.weights.checkpoint import Policy
@@ -44,11 +46,13 @@ def sampler_kind(settings: RunSettings) -> str:
 _engines: dict[tuple, Sampler] = {}  # one engine per process, reused by every task it runs
 
 
-def sampler_for(settings: RunSettings, policy: Policy | None = None, shard: int = 0) -> Sampler:
-    """The process's engine, switched to `policy` (None: the model setting); with vllm-server, a client of
-    the shard's server."""
+def sampler_for(
+    settings: RunSettings, policy: Policy | None = None, shard: int = 0, in_memory: Mapping[str, Any] | None = None
+) -> Sampler:
+    """The process's engine, switched to `policy` (None: the model setting), taking its weights from `in_memory`
+    where it can (see Sampler.use_policy); with vllm-server, a client of the shard's server."""
     engine = _engine(settings, shard, policy)
-    engine.use_policy(policy)
+    engine.use_policy(policy, in_memory)
     return engine
 
 
@@ -87,16 +91,22 @@ def _engine(settings: RunSettings, shard: int, policy: Policy | None = None) -> 
             for engine in _engines.values():
                 engine.close()  # free the old engine before loading another
             _engines.clear()
-        _engines[key] = _load_engine(kind, settings, model_dir, urls[shard % len(urls)], policy)
+        _engines[key] = _load_engine(kind, settings, model_dir, urls, shard % len(urls), policy)
     return _engines[key]
 
 
-def _load_engine(kind: str, settings: RunSettings, model_dir: Path, url: str, policy: Policy | None) -> Sampler:
+def _load_engine(
+    kind: str, settings: RunSettings, model_dir: Path, urls: list[str], index: int, policy: Policy | None
+) -> Sampler:
+    """`urls[index]`: the run's server to sample with (vllm-server)."""
+    dtype, device = engine_dtype(settings.sampler, settings.run.device), settings.run.device
     if kind == "scripted":
         module, function = settings.sampler.engine.split(":")[1:3]
         return getattr(importlib.import_module(module), function)(settings)
     if kind == "vllm-server":
-        return ServerSampler(url, settings.run.device, settings.sampler.request_timeout_seconds)
+        in_memory = server_takes_weights_in_memory(settings)
+        memory = (int(engine_gpus(settings.sampler, index)), dtype) if in_memory else None
+        return ServerSampler(urls[index], device, settings.sampler.request_timeout_seconds, memory=memory)
     if kind == "vllm":
         from retool.sampling.vllm_engine import VLLMSampler
 
@@ -107,14 +117,14 @@ def _load_engine(kind: str, settings: RunSettings, model_dir: Path, url: str, po
             lora_rank=settings.trainer.lora_rank,
             gpu_memory_utilization=settings.sampler.gpu_memory_utilization,
             sleep_mode=settings.sampler.sleep_while_training,
-            dtype=engine_dtype(settings.sampler, settings.run.device),
+            dtype=dtype,
             weights=policy.weights if policy is not None else None,
             log_path=RunFolder(settings.run_dir).engine_log,
             tensor_parallel_size=settings.sampler.tensor_parallel_size,
+            weights_in_memory=takes_weights_in_memory(settings.sampler, device, settings.trainer.lora_rank, True),
         )
     import torch
 
     from retool.sampling.hf import HFSampler
 
-    dtype = getattr(torch, engine_dtype(settings.sampler, settings.run.device))
-    return HFSampler(model_dir, dtype=dtype, device=settings.run.device)
+    return HFSampler(model_dir, dtype=getattr(torch, dtype), device=device)

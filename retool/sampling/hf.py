@@ -7,7 +7,7 @@ sharing one prompt, a plain KV-cached loop needs no padding and reports every to
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -28,10 +28,17 @@ class HFSampler:
         self.model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).to(self.device).eval()
         self.policy: Policy | None = None  # the policy whose weights are loaded; None = the model above
 
-    def use_policy(self, policy: Policy | None) -> None:
+    def use_policy(self, policy: Policy | None, in_memory: Mapping[str, torch.Tensor] | None = None) -> None:
         """Loads the policy's weights, with its LoRA adapter merged into them: merging once makes sampling
-        as fast as the base model."""
+        as fast as the base model. Full weights `in_memory` are copied into the model in place, in this
+        sampler's dtype (the same bits as from the files the trainer wrote from them), when their names are the
+        model's own (not where transformers renames a checkpoint's, as for Qwen3.5: it then reads the files)."""
         if policy == self.policy:
+            return
+        if in_memory is not None and self.model is not None and self._takes(in_memory):
+            with torch.no_grad():
+                self.model.load_state_dict(in_memory, strict=False)  # all but the second name of a tied weight
+            self.policy = policy
             return
         from transformers import AutoModelForCausalLM
 
@@ -42,6 +49,12 @@ class HFSampler:
 
             model = PeftModel.from_pretrained(model, str(policy.adapter)).merge_and_unload()
         self.model, self.policy = model.to(self.device).eval(), policy
+
+    def _takes(self, weights: Mapping[str, torch.Tensor]) -> bool:
+        """Whether `weights` are every weight of the model under its own names (a tied one once)."""
+        own = set(self.model.state_dict())
+        once = {name for name, _ in self.model.named_parameters()} | {name for name, _ in self.model.named_buffers()}
+        return set(weights) <= own and own & once <= set(weights)
 
     def sleep(self) -> None:
         pass  # a sampler for machines without vLLM: it keeps its model where it is

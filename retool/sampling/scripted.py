@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from retool.sampling.contract import SampledSequence, SampleRequest, SamplingSettings
 from retool.weights.checkpoint import Policy
@@ -22,7 +23,7 @@ class ScriptedSampler:
     requests: list[SampleRequest] = field(default_factory=list)  # every request seen, in order
     policy: Policy | None = None  # the policy it was last switched to (it replays the same script for any)
 
-    def use_policy(self, policy: Policy | None) -> None:
+    def use_policy(self, policy: Policy | None, in_memory: Mapping[str, Any] | None = None) -> None:
         self.policy = policy
 
     def sleep(self) -> None:

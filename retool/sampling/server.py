@@ -18,12 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from retool.config.sampler import engine_dtype, engine_gpus
+from retool.config.sampler import engine_dtype, engine_gpus, takes_weights_in_memory
 from retool.config.settings import RunSettings, SettingsError
 from retool.files.atomic import write_text_atomically
 from retool.files.layout import RunFolder
 from retool.sampling.server_client import is_healthy, served_model
 from retool.sampling.vllm_engine import CPU_ENVIRONMENT, LOGPROBS_MODE
+from retool.sampling.weight_transfer import WEIGHT_TRANSFER, WEIGHT_TRANSFER_ENVIRONMENT
 from retool.weights.models import resolve_model
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ def server_command(settings: RunSettings, port: int) -> list[str]:
         command += ["--gpu-memory-utilization", str(settings.sampler.gpu_memory_utilization)]
         command += ["--tensor-parallel-size", str(settings.sampler.tensor_parallel_size)]
         command += ["--enable-sleep-mode"] if settings.sampler.sleep_while_training else []
+        if server_takes_weights_in_memory(settings):
+            command += ["--weight-transfer-config", json.dumps(WEIGHT_TRANSFER)]
     if settings.trainer.lora_rank:
         command += ["--enable-lora", "--max-lora-rank", str(settings.trainer.lora_rank), "--max-loras", "1"]
     return command
@@ -71,7 +74,16 @@ def server_environment(settings: RunSettings, gpus: str = "") -> dict[str, str]:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
         ids = [visible[int(i)] if visible != [""] else i for i in gpus.split(",")]
         environment["CUDA_VISIBLE_DEVICES"] = ",".join(ids)
+    if server_takes_weights_in_memory(settings):
+        environment.update(WEIGHT_TRANSFER_ENVIRONMENT)
     return {**CPU_ENVIRONMENT, **environment} if settings.run.device == "cpu" else environment
+
+
+def server_takes_weights_in_memory(settings: RunSettings) -> bool:
+    """The run's servers take full weights from the trainer's memory when they sleep while a step trains on
+    their GPUs (the trainer shares them) and each has one GPU."""
+    colocated = settings.sampler.sleep_while_training
+    return takes_weights_in_memory(settings.sampler, settings.run.device, settings.trainer.lora_rank, colocated)
 
 
 def listening_pid(port: int) -> int | None:

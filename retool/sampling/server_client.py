@@ -4,7 +4,8 @@ worker and command; it loads each step's adapter at run time and sleeps while a 
 
 Endpoints used: /health, /v1/completions, /v1/load_lora_adapter and /v1/unload_lora_adapter
 (VLLM_ALLOW_RUNTIME_LORA_UPDATING),
-and the development ones (VLLM_SERVER_DEV_MODE) /reset_prefix_cache, /collective_rpc, /sleep, /wake_up.
+and the development ones (VLLM_SERVER_DEV_MODE) /reset_prefix_cache, /collective_rpc, /sleep, /wake_up, and
+vLLM's weight-transfer routes (see retool.sampling.weight_transfer).
 """
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import requests
 
 from retool.sampling.adapters import ADAPTER_WEIGHTS, adapter_for_engine
 from retool.sampling.contract import SampledSequence, SampleRequest, SamplingSettings
 from retool.sampling.progress import sampling_progress, set_tokens
+from retool.sampling.weight_transfer import send_weights
 from retool.weights.checkpoint import Policy
 
 HEALTH_TIMEOUT_SECONDS = 5.0
@@ -56,8 +59,17 @@ def _call(method: str, url: str, path: str, timeout: float, **kwargs) -> dict:
 class ServerSampler:
     """A Sampler over one vLLM server (see retool.sampling.contract.Sampler)."""
 
-    def __init__(self, url: str, device: str, request_timeout_seconds: float = 600.0, workers: int = 64):
-        self.url, self.device = url.rstrip("/"), device
+    def __init__(
+        self,
+        url: str,
+        device: str,
+        request_timeout_seconds: float = 600.0,
+        workers: int = 64,
+        memory: tuple[int, str] | None = None,
+    ):
+        """`memory`: the server's GPU (its position among this process's) and dtype, when it takes full weights
+        from this process's memory (see retool.sampling.weight_transfer)."""
+        self.url, self.device, self.memory = url.rstrip("/"), device, memory
         self.request_timeout_seconds = request_timeout_seconds  # a hung server fails the call, then its retries
         self.base_model = served_model(self.url)  # what every request samples unless an adapter is loaded
         self.model = self.base_model  # the name requests are sampled under now
@@ -71,14 +83,17 @@ class ServerSampler:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0  # the process the pool's threads run in (a forked worker needs its own)
 
-    def use_policy(self, policy: Policy | None) -> None:
+    def use_policy(self, policy: Policy | None, in_memory: Mapping[str, Any] | None = None) -> None:
         """A LoRA policy is loaded under a new name (the server caches adapters by name); full weights are
-        reloaded in place, which the vLLM CPU engine cannot do correctly (it keeps the weights its kernels
-        packed at start), so there a server serves only its own weights and adapters over them."""
+        reloaded in place (from `in_memory` where the server takes them so), which the vLLM CPU engine cannot
+        do correctly (it keeps the weights its kernels packed at start), so there a server serves only its own
+        weights and adapters over them."""
         if policy == self.policy:
             return
         self.wake()
-        self._load_weights(policy.weights if policy is not None else Path(self.base_model))
+        self._load_weights(
+            policy.weights if policy is not None else Path(self.base_model), in_memory if self.memory else None
+        )
         previous, self.model = self.model, self.base_model
         if policy is not None and policy.adapter is not None:
             # Named by content: every process and command that serves this checkpoint loads the same name,
@@ -109,7 +124,7 @@ class ServerSampler:
             if " answered 404" not in str(error):
                 raise
 
-    def _load_weights(self, weights: Path) -> None:
+    def _load_weights(self, weights: Path, in_memory: Mapping[str, Any] | None = None) -> None:
         if weights.resolve() == self.weights.resolve():
             return
         if self.device == "cpu":
@@ -118,8 +133,16 @@ class ServerSampler:
                 "keeps the weights its kernels packed at start. Serve LoRA policies over its own model, or sample "
                 "in-process ([sampler] engine = vllm), which loads each new policy in a fresh engine"
             )
-        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}
-        _call("POST", self.url, "/collective_rpc", self.request_timeout_seconds, json=rpc)
+        if in_memory is not None:
+            import torch
+            from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+
+            gpu, dtype = self.memory
+            with torch.cuda.device(gpu):  # the IPC buffer on the server's GPU
+                send_weights(in_memory, dtype, HTTPVLLMWeightSyncClient(self.url, self.request_timeout_seconds))
+        else:
+            rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(weights)}}
+            _call("POST", self.url, "/collective_rpc", self.request_timeout_seconds, json=rpc)
         self.weights = weights
 
     def sleep(self) -> None:

