@@ -49,6 +49,13 @@ def train(folder, model_dir, config, steps, save_every, resident_trainer=True):
         train_from_files(inputs, "cpu", "cpu" if resident_trainer else "")
 
 
+def step_inputs(folder, model_dir, config, step, served_in="bfloat16"):
+    """Step `step` of a run in `folder` (its datums written), as a training group is handed it."""
+    previous = folder / f"step={step - 1:04d}" / "checkpoint" if step else None
+    datums = write_datums(folder, step)
+    return StepInputs(model_dir, datums, 3, 0, previous, folder / f"step={step:04d}" / "checkpoint", config, served_in)
+
+
 def state_of(checkpoint):
     """A full save's weights and Adam state."""
     held = Checkpoint(checkpoint)
@@ -155,16 +162,7 @@ def test_a_training_group_holds_the_state_between_steps_and_trains_as_one_proces
         group_for(folder, 2, "cpu", os.getppid())
     try:
         for step in range(3):
-            inputs = StepInputs(
-                tiny_model_dir,
-                write_datums(tmp_path / "group", step),
-                3,
-                0,
-                tmp_path / "group" / f"step={step - 1:04d}" / "checkpoint" if step else None,
-                tmp_path / "group" / f"step={step:04d}" / "checkpoint",
-                config,
-                served_in="bfloat16",
-            )
+            inputs = step_inputs(tmp_path / "group", tiny_model_dir, config, step)
             assert train_in_group(folder, pid, inputs).datums == 3
     finally:
         stop_group(folder, os.getpid())

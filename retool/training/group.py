@@ -27,6 +27,7 @@ from retool.training.record import StepMetrics
 RECORD, REQUEST, RESPONSE, LOG = "group.json", "request.json", "response.json", "group.log"
 POLL_SECONDS = 0.05  # how often the group and a step look for each other's file
 STOP_SECONDS = 600.0  # a stopping group's final full save (a large model's weights and Adam state)
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 
 
 class TrainingGroupError(RuntimeError):
@@ -121,6 +122,19 @@ def _next_request(folder: Path, parent: int) -> dict | None:
     return body.get("inputs")
 
 
+def _die_with_parent() -> None:
+    """This process is killed when torchrun's agent, its parent, is (Linux's parent-death signal, which neither
+    torchrun nor the standard library sets): a group killed in the middle of a step leaves no process that
+    would finish the step, or take the next request, beside the group that replaces it."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL) != 0 or os.getppid() == 1:  # the agent already gone
+        os._exit(1)
+
+
 def serve_steps(folder: Path, parent: int, hold_on: str, device: str) -> None:
     """Each process of the group: trains every step the command hands it, holding the state between them; at
     the end saves the held step in full (every process takes part in gathering it)."""
@@ -129,6 +143,7 @@ def serve_steps(folder: Path, parent: int, hold_on: str, device: str) -> None:
     from retool.training import resident
     from retool.training.resume import StepInputs, train_from_files
 
+    _die_with_parent()
     first = dist.get_rank() == 0
     logging.basicConfig(level=logging.INFO, format=f"[process {dist.get_rank()}] %(message)s")  # to the group's log
     while True:
