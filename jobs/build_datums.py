@@ -10,7 +10,7 @@ from retool.files.layout import RoundPaths
 from retool.files.tables import TRAJECTORIES, read_table, write_table_atomically
 from retool.rollout.replay import replay_shards
 from retool.rollout.stage_tables import datums_table, describe_datums
-from retool.run.shared import protocol_for
+from retool.run.shared import policy_step, protocol_for
 
 
 def build_datums(
@@ -19,6 +19,6 @@ def build_datums(
     """`shards`: every round of every shard; `trajectories`: the step's scores, advantages and kept groups."""
     replayed = replay_shards(prompts, shards, protocol_for(run.model), run.rollout)
     scored = read_table(trajectories, TRAJECTORIES)
-    table = datums_table(replayed, scored, step, run.rollout.trainer_max_tokens)
+    table = datums_table(replayed, scored, step, policy_step(run, step), run.rollout.trainer_max_tokens)
     write_table_atomically(table, out)
     return describe_datums(table)

@@ -10,7 +10,7 @@ from retool.evaluation.spec import EvalSpec
 from retool.files.layout import RoundPaths
 from retool.files.tables import write_table_atomically
 from retool.rollout.stage_tables import describe_samples, samples_table
-from retool.run.shared import replayed_shard
+from retool.run.shared import policy_step, replayed_shard
 from retool.sampling import engines
 from retool.weights.models import policy_of
 
@@ -46,6 +46,7 @@ def sample_round(
     def sampler():  # loaded, and switched to the policy, only when there is something to sample
         return engines.sampler_for(run, policy_of(checkpoint, rl_base, run.model.name), shard, held_weights(checkpoint))
 
-    table = samples_table(trajectories, sampler, protocol, settings.rollout, step, round_index)
+    sampled_by = policy_step(run, step, evaluation)
+    table = samples_table(trajectories, sampler, protocol, settings.rollout, step, round_index, sampled_by)
     write_table_atomically(table, out)
     return describe_samples(table)

@@ -12,7 +12,7 @@ from retool.files.layout import RoundPaths
 from retool.files.tables import write_table_atomically
 from retool.rollout.replay import replay_shards
 from retool.rollout.stage_tables import describe_trajectories, scored_table
-from retool.run.shared import protocol_for
+from retool.run.shared import policy_step, protocol_for
 
 
 def score_trajectories(
@@ -26,6 +26,6 @@ def score_trajectories(
     """`shards`: every round of every shard."""
     settings = evaluation_settings(run, evaluation)
     trajectories = replay_shards(prompts, shards, protocol_for(settings.model), settings.rollout)
-    table = scored_table(trajectories, step, settings.data.keep_limit)
+    table = scored_table(trajectories, step, policy_step(run, step, evaluation), settings.data.keep_limit)
     write_table_atomically(table, out)
     return describe_trajectories(table)

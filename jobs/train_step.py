@@ -21,7 +21,7 @@ from retool.evaluation.tracking import Tracker, scalars
 from retool.files.layout import RunFolder
 from retool.files.tables import OBSERVATIONS, TRAJECTORIES, read_table, write_table_atomically
 from retool.rollout.scoring import zero_variance_groups
-from retool.run.shared import sandbox_for
+from retool.run.shared import policy_step, sandbox_for
 from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memory, sampler_kind
 from retool.training.record import StepMetrics, describe_metrics
 from retool.weights.models import rl_base
@@ -61,6 +61,7 @@ def train_step(
         out=checkpoint,
         config=run.trainer_on_device(),
         served_in="" if full_save else engine_dtype(run.sampler, run.run.device),
+        stale=policy_step(run, step) != step - 1,
     )
     release_sampler_memory(run)  # the sampler sleeps while the step trains on the GPU
     if in_group:

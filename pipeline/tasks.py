@@ -25,6 +25,7 @@ from retool.evaluation.spec import EvalSpec, check_evaluated_checkpoint, evaluat
 from retool.files.layout import RoundPaths, RunFolder, StepFolder
 from retool.files.tables import parquet_seconds
 from retool.run.setup import open_run
+from retool.run.shared import policy_step
 from retool.weights.checkpoint import Checkpoint
 
 
@@ -99,9 +100,10 @@ class RunTask(luigi.Task):
 
     def policy(self) -> dict[str, luigi.Task]:
         """{"policy": the task that makes the checkpoint this task's rollout samples from}, none for the model
-        setting: a training step samples from the checkpoint before it (step 0: the cold start's, if the run has
-        one), an evaluation from its own step's (-1: the model setting, or the cold start's with `sft`)."""
-        source = self.step if self.evaluation is not None else self.step - 1
+        setting: a training step samples from the checkpoint before it, or [rollout] max_staleness steps older
+        (before step 0's: the cold start's, if the run has one), an evaluation from its own step's (-1: the model
+        setting, or the cold start's with `sft`)."""
+        source = policy_step(self.settings, self.step, self.evaluation)
         if source >= 0:
             return {"policy": TrainStep(step=source), **self.rl_base()}
         wants_sft = self.evaluation.sft if self.evaluation is not None else bool(self.settings.cold_start.data)

@@ -22,7 +22,7 @@ def tool_policy(settings, _step=None):
 
 def build(settings, step, sampler=None, monkeypatch=None):
     if sampler is not None:
-        monkeypatch.setattr(retool.sampling.engines, "sampler_for", lambda settings, policy=None, shard=0: sampler)
+        monkeypatch.setattr(retool.sampling.engines, "sampler_for", lambda *_: sampler)
     return luigi.build([ScoreTrajectories(step=step)], local_scheduler=True, workers=1, log_level="WARNING")
 
 
@@ -35,5 +35,5 @@ TRAIN = {"lora_rank": 4, "lora_alpha": 8, "learning_rate": 1e-3, "micro_batch_it
 
 
 def build_train(settings, step, sampler, monkeypatch):
-    monkeypatch.setattr(retool.sampling.engines, "sampler_for", lambda settings, policy=None, shard=0: sampler)
+    monkeypatch.setattr(retool.sampling.engines, "sampler_for", lambda *_: sampler)
     return luigi.build([pipeline.tasks.TrainStep(step=step)], local_scheduler=True, workers=1, log_level="WARNING")

@@ -93,7 +93,7 @@ def test_evaluate_on_the_tiny_model(configure, monkeypatch, tmp_path, mode):
     monkeypatch.setattr(
         retool.sampling.engines,
         "sampler_for",
-        lambda s, policy=None, shard=0: ScriptedSampler(scripted(protocol_for(s.model), choose)),
+        lambda s, policy=None, shard=0, in_memory=None: ScriptedSampler(scripted(protocol_for(s.model), choose)),
     )
     task = pipeline.Evaluate(step=-1, dataset=str(dataset), n=3, eval_mode=mode)
     assert luigi.build([task], local_scheduler=True, workers=1, log_level="WARNING")

@@ -60,7 +60,9 @@ def test_every_job_runs_with_only_the_files_its_task_requires(configure, monkeyp
     )
     settings = configure("graph", **sections)
     monkeypatch.setattr(
-        retool.sampling.engines, "sampler_for", lambda settings, policy=None, shard=0: tool_policy(settings)
+        retool.sampling.engines,
+        "sampler_for",
+        lambda settings, *_: tool_policy(settings),
     )
     roots = [BeforeAfter(step=1, n=1, limit=3), Report(step=1)]
     assert luigi.build(roots, local_scheduler=True, workers=1, log_level="WARNING")
@@ -116,7 +118,7 @@ def test_a_train_step_and_a_sample_round_reach_the_library_through_few_files(con
     `pytest tests/test_jobs.py -k reach -s` prints them."""
     settings = configure("crossed", trainer=TRAIN)
     sampler = tool_policy(settings)
-    monkeypatch.setattr(retool.sampling.engines, "sampler_for", lambda settings, policy=None, shard=0: sampler)
+    monkeypatch.setattr(retool.sampling.engines, "sampler_for", lambda *_: sampler)
     assert luigi.build([BuildDatums(step=0)], local_scheduler=True, workers=1, log_level="WARNING")
     train, sample = TrainStep(step=0), SampleRound(step=0, round=0)
     train.set_status_message = sample.set_status_message = lambda message: None

@@ -58,7 +58,7 @@ def test_pipeline_parquet_equals_the_in_memory_rollout(configure, monkeypatch):
     )
 
     assert read_table(step_dir(settings, 1) / "trajectories.parquet", TRAJECTORIES).equals(
-        trajectories_table(trajectories, 1)
+        trajectories_table(trajectories, 1, 0)
     )
     expected_samples = table_from_rows(
         [
@@ -320,7 +320,7 @@ def test_step_zero_samples_from_and_trains_on_top_of_the_cold_start(configure, m
     )
     policies = []
 
-    def recording_sampler(settings, policy=None, shard=0):
+    def recording_sampler(settings, policy=None, shard=0, in_memory=None):
         policies.append(policy)
         return tool_policy(settings)
 

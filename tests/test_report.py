@@ -55,7 +55,7 @@ def two_step_run(configure, monkeypatch):
     monkeypatch.setattr(
         retool.sampling.engines,
         "sampler_for",
-        lambda s, policy=None, shard=0: ScriptedSampler(scripted(protocol_for(s.model), choose)),
+        lambda s, policy=None, shard=0, in_memory=None: ScriptedSampler(scripted(protocol_for(s.model), choose)),
     )
     tasks = [
         pipeline.Report(step=1),

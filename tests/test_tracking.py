@@ -140,7 +140,7 @@ def test_an_evaluation_logs_its_scores_to_wandb(configure, monkeypatch, tmp_path
     sampler = ScriptedSampler(
         scripted(protocol_for(settings.model), lambda q, g, t: f"\\boxed{{{2 * q if g else -1}}}")
     )
-    monkeypatch.setattr(retool.sampling.engines, "sampler_for", lambda s, policy=None, shard=0: sampler)
+    monkeypatch.setattr(retool.sampling.engines, "sampler_for", lambda s, policy=None, shard=0, in_memory=None: sampler)
     task = pipeline.Evaluate(step=-1, dataset=str(dataset), n=2, eval_mode="retool")
     assert luigi.build([task], local_scheduler=True, workers=1, log_level="WARNING")
     (row,) = wandb_history(RunFolder(settings.run_dir))

@@ -44,6 +44,12 @@ def seed_field(seed: int, name: str) -> int:
     return (seed >> below) % seed_capacity(name)
 
 
+def behaviour_step(step: int, max_staleness: int) -> int:
+    """The checkpoint RL step `step` samples from: `max_staleness` steps older than the step before it; -1 (the RL
+    base: the cold start's weights or the model) while there is none."""
+    return max(step - 1 - max_staleness, -1)
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     SECTION: ClassVar[str] = "rollout"  # its luigi.cfg section, named by `require`
@@ -62,6 +68,9 @@ class RolloutConfig:
     # An evaluation's trajectories per shard, at most (0: [rollout] shards). One worker runs a shard's rounds
     # one after another, so an engine whose KV cache holds a shard reuses its prompts' cache in the next round.
     eval_shard_sequences: int = 0
+    # Steps the sampling policy lags behind on-policy: step N samples from step N-1-k's checkpoint, so that with
+    # Luigi workers to spare it samples while step N-1 trains (see behaviour_step; 0: on-policy, strictly in turn)
+    max_staleness: int = 0
 
     def __post_init__(self) -> None:
         for name in (
@@ -80,6 +89,7 @@ class RolloutConfig:
                 self, name, isinstance(value, int) and not isinstance(value, bool) and value > 0, "a positive integer"
             )
         require(self, "eval_shard_sequences", self.eval_shard_sequences >= 0, ">= 0")
+        require(self, "max_staleness", self.max_staleness >= 0, ">= 0 (0: on-policy)")
         within = self.max_trajectory_tokens <= self.trainer_max_tokens
         context = f"at most trainer_max_tokens = {self.trainer_max_tokens}, else trajectories could not be trained on"
         require(self, "max_trajectory_tokens", within, context)

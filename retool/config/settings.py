@@ -121,7 +121,7 @@ class RunSettings:
             lora_rank=self.cold_start.lora_rank,
             learning_rate=self.cold_start.learning_rate,
             loss_aggregation="token_mean",
-            tis_cap=0.0,
+            correction="none",
             temperature=1.0,
         )
         return self.on_device(sft)

@@ -10,6 +10,7 @@ from retool.config.checks import require
 from retool.config.precision import bfloat16_native
 
 OBJECTIVES = ("ppo", "sft")
+CORRECTIONS = ("none", "tis", "mis")
 DTYPES = ("auto", "float32", "bfloat16")
 SWITCHES = ("auto", "true", "false")
 DATA_PARALLEL = ("auto", "ddp", "fsdp")
@@ -32,7 +33,14 @@ class TrainerConfig:
     ppo_epochs: int = 1  # passes over a step's datums; updates after the first are off-policy, bounded by the clip
     micro_batch_items: int = 8
     micro_batch_tokens: int = 16384  # padded tokens per micro-batch
-    tis_cap: float = 0.0  # truncated importance sampling cap on trainer/sampler ratio; 0 = off
+    # Tokens sampled by another policy than the trainer's (an older checkpoint with [rollout] max_staleness, or a
+    # sampler's numerical drift): none (PPO's ratio against the sampler's logprobs) | tis | mis (decoupled PPO: the
+    # ratio against the trainer's own policy before the update, each token weighted by that policy over the
+    # sampler's, the weight truncated at correction_cap (tis), or the token dropped outside
+    # [correction_floor, correction_cap] (mis, masked importance sampling))
+    correction: str = "none"
+    correction_cap: float = 2.0  # the importance weight's upper bound (tis), the band's top (mis)
+    correction_floor: float = 0.5  # mis: tokens whose importance weight falls below are dropped
     filter_zero_variance_groups: bool = False  # sample_mean over datums only, not all trajectories
     # The weights' dtype: auto (float32 for a full fine-tune, bfloat16 for a LoRA's frozen base on CUDA) | float32
     # | bfloat16 (a full fine-tune in pure bfloat16 loses updates smaller than half a unit in the last place)
@@ -65,6 +73,10 @@ class TrainerConfig:
         aggregations = ", ".join(LOSS_AGGREGATIONS)
         require(self, "loss_aggregation", self.loss_aggregation in LOSS_AGGREGATIONS, f"one of {aggregations}")
         require(self, "dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}")
+        require(self, "correction", self.correction in CORRECTIONS, f"one of {', '.join(CORRECTIONS)}")
+        require(self, "correction_cap", self.correction_cap >= 1, ">= 1 (a weight of 1 is on-policy)")
+        band = 0 < self.correction_floor <= 1
+        require(self, "correction_floor", band, "in (0, 1] (a weight of 1 is on-policy)")
         require(self, "data_parallel", self.data_parallel in DATA_PARALLEL, f"one of {', '.join(DATA_PARALLEL)}")
         # true and false also as JSON booleans (config.json of runs frozen when the setting was one)
         autocast = str(self.autocast_bfloat16).lower()

@@ -4,6 +4,7 @@ step=NNNN/metrics.parquet, printed as one line, and logged to the run's tracker.
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
@@ -22,9 +23,9 @@ TRAINING_STAGE = "TrainStep"
 
 
 def record_stage_seconds(timings: Path, task_id: str, stage: str, seconds: float, parquet_seconds: float) -> None:
-    """Wall time of one finished task's run(), and the part of it spent reading and writing Parquet, as one
-    file in the step's folder of timings."""
-    entry = {"stage": stage, "seconds": seconds, "parquet_seconds": parquet_seconds}
+    """Wall time of one finished task's run(), the part of it spent reading and writing Parquet, and when it ended
+    (Unix time: which stages overlapped), as one file in the step's folder of timings."""
+    entry = {"stage": stage, "seconds": seconds, "parquet_seconds": parquet_seconds, "ended": time.time()}
     write_text_atomically(timings / f"{task_id}.json", json.dumps(entry))
 
 
@@ -68,6 +69,8 @@ def step_metrics(
         / max(1, len({r["question_index"] for r in rows})),
         "groups_drawn": len({r["question_index"] for r in rows}),
         "groups_kept": len({r["question_index"] for r in rows if r["kept"]}),
+        # Steps between the policy that sampled and the one trained (0: on-policy; NaN: not recorded)
+        "staleness": _mean([float(step - 1 - r["policy_step"]) for r in rows if r["policy_step"] is not None]),
         "sandbox_calls": len(calls),
         "sandbox_ok_rate": _mean([float(r["exec_status"] == "ok") for r in calls]),
         "sandbox_error_rate": _mean([float(r["exec_status"] == "error") for r in calls]),
@@ -99,6 +102,8 @@ def describe_step(metrics: dict) -> str:
         f"  update: {metrics['train_updates']} optimizer steps on {metrics['train_datums']} datums, loss "
         f"{metrics['train_loss']:+.4f}, entropy {metrics['train_entropy']:.3f}, KL(before||after) k1 "
         f"{metrics['train_kl_k1']:.2e} k3 {metrics['train_kl_k3']:.2e}, clipped {metrics['train_clip_fraction']:.3f}, "
-        f"ratio outside the clip range after {metrics['train_ratio_outside_clip']:.3f}"
+        f"ratio outside the clip range after {metrics['train_ratio_outside_clip']:.3f}, staleness "
+        f"{metrics['staleness']:.0f}, importance weight {metrics['train_importance_weight']:.3f} "
+        f"({metrics['train_importance_limited']:.3f} limited)"
         + (" (update skipped)" if metrics["train_skipped"] else "")
     )

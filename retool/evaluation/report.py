@@ -111,13 +111,23 @@ DIAGNOSTICS = (  # panel title, y label, series (label -> metrics column)
         {"correct": "sampled_tokens_correct", "wrong": "sampled_tokens_wrong"},
     ),
     ("Question groups per step", "groups", {"drawn": "groups_drawn", "kept (trained on)": "groups_kept"}),
+    (
+        "Off-policy samples ([rollout] max_staleness, [trainer] correction)",
+        "value",
+        {
+            "staleness (steps)": "staleness",
+            "importance weight (mean)": "train_importance_weight",
+            "weight truncated or dropped (share)": "train_importance_limited",
+        },
+    ),
 )
 
 
 def plot_diagnostics(metrics: pl.DataFrame) -> Figure:
     """What an RL user reads every step: entropy, how far each update moved the policy, the clip, answer
-    quality, the lengths of correct and wrong trajectories, and how many groups trained; stop reasons apart."""
-    figure, axes = plt.subplots(2, 4, figsize=(20, 8), layout="constrained")
+    quality, the lengths of correct and wrong trajectories, how many groups trained, how off-policy the samples
+    were; stop reasons apart."""
+    figure, axes = plt.subplots(3, 3, figsize=(15, 12), layout="constrained")
     for axis, (title, ylabel, columns) in zip(axes.flat, DIAGNOSTICS):
         _draw_series(axis, metrics, columns, "not recorded")
         axis.set(title=title, xlabel="training step", ylabel=ylabel)
@@ -234,6 +244,8 @@ TRAINING_COLUMNS = [  # of the report's table of training steps
     "train_entropy",
     "train_kl_k3",
     "train_clip_fraction",
+    "staleness",
+    "train_importance_weight",
     "train_skipped",
 ]
 

@@ -40,6 +40,7 @@ SAMPLES = pa.schema(
         ("text", pa.string()),  # decoded from completion_tokens, stripped
         ("finish_reason", pa.string()),  # stop | length
         ("seed", pa.int64()),
+        ("policy_step", pa.int32()),  # the checkpoint that sampled it: its RL step (-1: the RL base)
     ]
 )
 
@@ -85,6 +86,7 @@ TRAJECTORIES = pa.schema(
         ("kept", pa.bool_()),  # its group trains this step (dynamic sampling keeps groups of mixed correctness)
         ("trajectory_tokens", pa.int32()),  # length of the whole token sequence
         ("sampled_tokens", pa.int32()),  # how many of those the model sampled (the actions)
+        ("policy_step", pa.int32()),  # the checkpoint that sampled it: its RL step (-1: the RL base)
     ]
 )
 
@@ -99,8 +101,12 @@ DATUMS = pa.schema(
         ("advantages", FLOATS),  # the trajectory's advantage on sampled targets, 0 elsewhere
         ("loss_mask", pa.list_(pa.bool_())),  # True on targets the model sampled
         ("num_tokens", pa.int32()),
+        ("policy_step", pa.int32()),  # the checkpoint that sampled it: its RL step (-1: the RL base)
     ]
 )
+
+
+ADDED_LATER = {"policy_step"}  # columns that files written before them lack: read as nulls (not recorded)
 
 
 class TableError(ValueError):
@@ -176,6 +182,8 @@ def read_table(path: str | Path, schema: pa.Schema) -> pa.Table:
         table = _read_published(str(path), version.st_ino, version.st_mtime_ns, version.st_size)
     except Exception as error:  # pyarrow raises several types for damaged files
         raise TableError(f"{path}: not a readable Parquet file ({error}); delete it and re-run its stage") from None
+    for name in ADDED_LATER & set(schema.names) - set(table.schema.names):  # a file written before the column was
+        table = table.append_column(name, pa.nulls(table.num_rows, schema.field(name).type))
     missing = [name for name in schema.names if name not in table.schema.names]
     if missing:
         raise TableError(f"{path}: missing columns {missing}; it was not written by this pipeline stage")

@@ -94,7 +94,7 @@ def build_datums(trajectories: list[Trajectory], trainer_max_tokens: int) -> lis
 # A datum's row in datums.parquet (files/tables.py DATUMS), and back.
 
 
-def datum_row(datum: Datum, step: int) -> dict:
+def datum_row(datum: Datum, step: int, policy_step: int) -> dict:
     return {
         "step": step,
         "question_index": datum.question_index,
@@ -105,6 +105,7 @@ def datum_row(datum: Datum, step: int) -> dict:
         "advantages": datum.advantages,
         "loss_mask": datum.loss_mask,
         "num_tokens": datum.num_tokens,
+        "policy_step": policy_step,
     }
 
 

@@ -33,8 +33,15 @@ def example_of(row: dict) -> MathExample:
 
 
 def sample_row(
-    step: int, round_index: int, request: SampleRequest, group_index: int, sequence: SampledSequence, text: str
+    step: int,
+    round_index: int,
+    request: SampleRequest,
+    group_index: int,
+    sequence: SampledSequence,
+    text: str,
+    policy_step: int,
 ) -> dict:
+    """`policy_step`: the RL step whose checkpoint the sampler was given (-1: the RL base)."""
     return {
         "step": step,
         "round": round_index,
@@ -46,6 +53,7 @@ def sample_row(
         "text": text,
         "finish_reason": sequence.finish_reason,
         "seed": request.seed,
+        "policy_step": policy_step,
     }
 
 
@@ -108,7 +116,7 @@ def restore_observation(trajectory: Trajectory, row: dict, protocol: ChatProtoco
 # trajectories.parquet: a finished trajectory, scored (read back by `restore_score`)
 
 
-def trajectory_row(trajectory: Trajectory, step: int) -> dict:
+def trajectory_row(trajectory: Trajectory, step: int, policy_step: int) -> dict:
     sequence = trajectory_sequence(trajectory)
     return {
         "step": step,
@@ -130,6 +138,7 @@ def trajectory_row(trajectory: Trajectory, step: int) -> dict:
         "kept": trajectory.kept,
         "trajectory_tokens": len(sequence.tokens),
         "sampled_tokens": sum(sequence.is_action),
+        "policy_step": policy_step,
     }
 
 

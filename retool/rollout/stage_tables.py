@@ -49,13 +49,14 @@ def samples_table(
     config: RolloutConfig,
     step: int,
     round_index: int,
+    policy_step: int,
 ) -> pa.Table:
-    """SampleRound: one row per sampled sequence for every live trajectory with budget left. The
-    engine is only loaded when there is something to sample."""
+    """SampleRound: one row per sampled sequence for every live trajectory with budget left, sampled from step
+    `policy_step`'s checkpoint (-1: the RL base). The engine is only loaded when there is something to sample."""
     requests = plan_requests(trajectories, protocol, config, step)
     replies = sample_checked(get_sampler(), requests, sampling_settings(config, protocol)) if requests else []
     rows = [
-        sample_row(step, round_index, request, group_index, sequence, turn_text(protocol, sequence))
+        sample_row(step, round_index, request, group_index, sequence, turn_text(protocol, sequence), policy_step)
         for request, sequences in zip(requests, replies, strict=True)
         for group_index, sequence in zip(request.group_indices, sequences, strict=True)
     ]
@@ -107,7 +108,9 @@ def observations_table(
     return table_from_rows([observation_row(t, step, round_index) for t in live], OBSERVATIONS)
 
 
-def scored_table(trajectories: Sequence[Trajectory], step: int, keep_limit: int | None = None) -> pa.Table:
+def scored_table(
+    trajectories: Sequence[Trajectory], step: int, policy_step: int, keep_limit: int | None = None
+) -> pa.Table:
     """ScoreTrajectories: the end of the step (`end_step`) once the last round's files say every trajectory
     has ended."""
     live = [t for t in trajectories if not t.done]
@@ -115,21 +118,23 @@ def scored_table(trajectories: Sequence[Trajectory], step: int, keep_limit: int 
         raise StaleInputError(
             f"{len(live)} trajectories are still live after the last round; the round files are incomplete"
         )
-    return trajectories_table(end_step(trajectories, keep_limit), step)
+    return trajectories_table(end_step(trajectories, keep_limit), step, policy_step)
 
 
-def trajectories_table(trajectories: Sequence[Trajectory], step: int) -> pa.Table:
-    return table_from_rows([trajectory_row(t, step) for t in trajectories], TRAJECTORIES)
+def trajectories_table(trajectories: Sequence[Trajectory], step: int, policy_step: int) -> pa.Table:
+    return table_from_rows([trajectory_row(t, step, policy_step) for t in trajectories], TRAJECTORIES)
 
 
-def datums_table(trajectories: Sequence[Trajectory], scored: pa.Table, step: int, trainer_max_tokens: int) -> pa.Table:
+def datums_table(
+    trajectories: Sequence[Trajectory], scored: pa.Table, step: int, policy_step: int, trainer_max_tokens: int
+) -> pa.Table:
     """BuildDatums: the replayed trajectories of the groups ScoreTrajectories kept, with the advantages it
     assigned."""
     rows = {(row["question_index"], row["group_index"]): row for row in scored.to_pylist()}
     for trajectory in trajectories:
         restore_score(trajectory, rows[(trajectory.question_index, trajectory.group_index)])
     ordered = sorted((t for t in trajectories if t.kept), key=lambda t: (t.question_index, t.group_index))
-    rows = [datum_row(datum, step) for datum in build_datums(ordered, trainer_max_tokens)]
+    rows = [datum_row(datum, step, policy_step) for datum in build_datums(ordered, trainer_max_tokens)]
     return table_from_rows(rows, DATUMS)
 
 

@@ -39,7 +39,11 @@ def open_run(settings: RunSettings, workers: int = 1) -> None:
     for line in (precision_line(settings), kernels_line(settings)):
         if line:
             print(line, flush=True)
-    for warning in (workers_warning(settings, workers), bfloat16_warning(settings)):
+    for warning in (
+        workers_warning(settings, workers),
+        staleness_warning(settings, workers),
+        bfloat16_warning(settings),
+    ):
         if warning:
             log.warning(warning)
     check_inputs(settings)
@@ -97,6 +101,28 @@ def check_machine(settings: RunSettings) -> None:
 
 
 LOCAL_ENGINES = ("auto", "hf", "vllm")  # engines that every worker process loads for itself
+
+
+def staleness_warning(settings: RunSettings, workers: int) -> str | None:
+    """Why [rollout] max_staleness > 0 would not overlap sampling and training here: the lag lets step N+1 sample
+    while step N trains only in another worker process, on a sampler the training step does not put to sleep."""
+    lag, sampler = settings.rollout.max_staleness, settings.sampler
+    if not lag:
+        return None
+    if workers < 2:
+        return (
+            f"[rollout] max_staleness = {lag} with --workers {workers}: one worker runs one task at a time, so "
+            "sampling still waits for training (the samples are off-policy for nothing); run --workers 2 or more"
+        )
+    colocated = sampler.engine in LOCAL_ENGINES or (settings.run.device == "cuda" and sampler.sleep_while_training)
+    if colocated:
+        return (
+            f"[rollout] max_staleness = {lag} with a sampler that shares the trainer's {settings.run.device} "
+            f"([sampler] engine = {sampler.engine}, sleep_while_training = {sampler.sleep_while_training}): "
+            "sampling and training take turns on the same hardware; overlap needs a vllm-server on other GPUs or "
+            'nodes (docs/training.md, "When a lag pays")'
+        )
+    return None
 
 
 def workers_warning(settings: RunSettings, workers: int) -> str | None:
@@ -182,6 +208,9 @@ def upgraded(recorded: dict[str, dict[str, Any]], device: str) -> dict[str, dict
         sampler["engine"] = sampled_by(sampler["engine"], device)
     if sampler.get("dtype") == "auto":  # frozen before `auto` was recorded as what it chose
         sampler["dtype"] = "bfloat16" if device == "cuda" else "float32"
+    if "tis_cap" in trainer:  # frozen when truncated importance sampling was a cap alone (0: off)
+        cap = trainer.pop("tis_cap")
+        trainer.update({"correction": "tis", "correction_cap": cap} if cap > 0 else {"correction": "none"})
     if isinstance(trainer.get("autocast_bfloat16"), bool):  # frozen when the setting was true or false
         trainer["autocast_bfloat16"] = str(trainer["autocast_bfloat16"]).lower()
     return recorded

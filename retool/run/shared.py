@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
+from retool.config.rollout import behaviour_step
 from retool.config.sandbox import SandboxConfig
 from retool.config.settings import ModelConfig, RunSettings
 from retool.data.examples import MathExample, shuffled, take_batch
@@ -20,6 +21,12 @@ from retool.weights.models import resolve_model, rl_base
 
 
 @lru_cache(maxsize=4)
+def policy_step(settings: RunSettings, step: int, evaluation: EvalSpec | None = None) -> int:
+    """The RL step whose checkpoint step `step`'s rollout samples from (-1: the RL base): an evaluation its own
+    step's; a training step the one [rollout] max_staleness steps before the step before it."""
+    return step if evaluation is not None else behaviour_step(step, settings.rollout.max_staleness)
+
+
 def protocol_for(model: ModelConfig) -> ChatProtocol:
     """One per tokenizer and template, shared by runs."""
     return ChatProtocol(

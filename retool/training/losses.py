@@ -65,28 +65,61 @@ def token_logprobs(
     return (logprobs, scattered(entropy_pieces)) if with_entropy else logprobs
 
 
+def importance_weights(proximal: torch.Tensor, behaviour: torch.Tensor, config: TrainerConfig) -> torch.Tensor:
+    """Each token's weight in decoupled PPO: the proximal policy's probability of it over the behaviour policy's
+    (the sampler's), truncated at correction_cap (tis), or 0 outside [correction_floor, correction_cap] (mis);
+    1 without a correction."""
+    weight = torch.exp(proximal - behaviour)
+    if config.correction == "tis":
+        return torch.clamp(weight, max=config.correction_cap)
+    if config.correction == "mis":
+        inside = (weight >= config.correction_floor) & (weight <= config.correction_cap)
+        return torch.where(inside, weight, torch.zeros_like(weight))
+    return torch.ones_like(weight)
+
+
+def limited_by_correction(proximal: torch.Tensor, behaviour: torch.Tensor, config: TrainerConfig) -> torch.Tensor:
+    """The tokens whose importance weight the correction truncated (tis) or dropped (mis)."""
+    weight = torch.exp(proximal - behaviour)
+    if config.correction == "tis":
+        return weight > config.correction_cap
+    if config.correction == "mis":
+        return (weight < config.correction_floor) | (weight > config.correction_cap)
+    return torch.zeros_like(weight, dtype=torch.bool)
+
+
 def ppo_token_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, config: TrainerConfig
+    logprobs: torch.Tensor,
+    behaviour: torch.Tensor,
+    advantages: torch.Tensor,
+    config: TrainerConfig,
+    proximal: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token clipped surrogate loss and where clipping was active. With TIS, the ratio is taken
-    against the trainer's own (detached) logprobs and each token is reweighted by the capped
-    trainer/sampler ratio, correcting for the sampler's numerical drift."""
-    if config.tis_cap > 0:
-        ratio = torch.exp(logprobs - logprobs.detach())
-        correction = torch.clamp(torch.exp(logprobs.detach() - old_logprobs), max=config.tis_cap)
+    """Per-token clipped surrogate loss and where clipping was active. Without a correction, PPO: the ratio of
+    the policy to the behaviour policy that sampled the tokens (`behaviour`: the sampler's logprobs). With one
+    (decoupled PPO), the ratio is to the proximal policy, the trainer's own before the step's first update
+    (`proximal`; None: the policy being trained, when the step takes one update), which the clip keeps each
+    update near; the gap between proximal and behaviour policy (an older checkpoint, or the sampler's numerical
+    drift) is corrected by importance weights instead, bounded so that rare tokens cannot dominate."""
+    if config.correction == "none":
+        ratio, weight = torch.exp(logprobs - behaviour), torch.ones_like(logprobs)
     else:
-        ratio = torch.exp(logprobs - old_logprobs)
-        correction = torch.ones_like(ratio)
+        proximal = logprobs.detach() if proximal is None else proximal
+        ratio, weight = torch.exp(logprobs - proximal), importance_weights(proximal, behaviour, config)
     clipped_ratio = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
-    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages) * correction
+    loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages) * weight
     clipped = (ratio * advantages > clipped_ratio * advantages).detach()
     return loss, clipped
 
 
 def token_loss(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor, config: TrainerConfig
+    logprobs: torch.Tensor,
+    behaviour: torch.Tensor,
+    advantages: torch.Tensor,
+    config: TrainerConfig,
+    proximal: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token loss of the configured objective, and where PPO clipping was active."""
     if config.objective == "sft":
         return -logprobs, torch.zeros_like(logprobs, dtype=torch.bool)
-    return ppo_token_loss(logprobs, old_logprobs, advantages, config)
+    return ppo_token_loss(logprobs, behaviour, advantages, config, proximal)

@@ -27,6 +27,10 @@ class StepMetrics:
     seconds: float
     tokens_per_second: float
     skipped: bool  # no datum: no optimizer step was taken
+    # The off-policy correction ([trainer] correction) on the loss tokens: the mean importance weight it applied
+    # (1 without one), and the share of tokens whose weight it truncated (tis) or dropped (mis)
+    importance_weight: float = 1.0
+    importance_limited: float = 0.0
 
 
 def describe_metrics(metrics: StepMetrics) -> str:
@@ -38,6 +42,7 @@ def describe_metrics(metrics: StepMetrics) -> str:
         f"tokens, {metrics.micro_batches} micro-batches "
         f"({metrics.padded_tokens / max(metrics.tokens, 1):.2f} padded/real), loss {metrics.loss:+.4f}, grad norm "
         f"{metrics.grad_norm:.3f}, "
-        f"clip {metrics.clip_fraction:.3f}, sampler gap {metrics.logprob_gap:.2e}, {metrics.tokens_per_second:.0f} "
-        "tokens/s"
+        f"clip {metrics.clip_fraction:.3f}, sampler gap {metrics.logprob_gap:.2e}, importance weight "
+        f"{metrics.importance_weight:.3f} ({metrics.importance_limited:.3f} limited), "
+        f"{metrics.tokens_per_second:.0f} tokens/s"
     )

@@ -40,6 +40,7 @@ class StepInputs:
     out: Path  # the checkpoint this step writes
     config: TrainerConfig  # the [trainer] section for the device, `auto` resolved
     served_in: str = ""  # not a full save: the full weights written in this dtype (the engine's); "" = a full save
+    stale: bool = False  # sampled by a checkpoint older than `previous` ([rollout] max_staleness): no sampler-gap check
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), default=str)
@@ -68,7 +69,8 @@ def train_from_files(inputs: StepInputs, device: str = "cpu", hold_on: str = "")
         metrics = train_step(
             trained, optimizer, datums, config, inputs.num_trajectories, device, inputs.zero_variance_groups
         )
-        check_policy_sync(metrics, config, inputs.previous or base_model)
+        if not inputs.stale:  # the gap to an older policy is the policy's own change, not a sampler's fault
+            check_policy_sync(metrics, config, inputs.previous or base_model)
         # Every process takes part; the first writes. Adam's state only for a full save.
         gathered = parallel.whole_state(model, None if inputs.served_in else optimizer, trained)
         if parallel.rank_and_world()[0] == 0:

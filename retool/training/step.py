@@ -14,7 +14,7 @@ import ctypes
 import gc
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +25,7 @@ from retool.config.trainer import TrainerConfig, resolved_autocast, resolved_dty
 from retool.rollout.datums import Datum
 from retool.training import parallel
 from retool.training.checkpoints import restore_rng
-from retool.training.losses import token_loss
+from retool.training.losses import importance_weights, limited_by_correction, token_loss
 from retool.training.packing import MicroBatch, loss_token_weights, pack_micro_batches
 from retool.training.record import StepMetrics
 from retool.weights.checkpoint import Checkpoint, Policy
@@ -123,6 +123,7 @@ class PolicyPass:
     logprobs: list[torch.Tensor]  # the policy's logprob of each loss token (detached)
     entropies: list[torch.Tensor]  # the entropy of its next-token distribution there
     sampler_logprobs: list[torch.Tensor]  # the sampler's logprob of the same tokens
+    padded: list[torch.Tensor] = field(default_factory=list)  # each micro-batch's logprobs as its rows (detached)
     loss: float = 0.0  # weighted loss summed over the pass (gradient passes only)
     clipped: int = 0  # loss tokens where the PPO clip was active (gradient passes only)
 
@@ -134,11 +135,13 @@ def policy_pass(
     config: TrainerConfig,
     device: str = "cpu",
     weights: list[float] | None = None,
+    proximal: list[torch.Tensor] | None = None,
 ) -> PolicyPass:
     """One pass over this process's share of the micro-batches. With `weights` it backpropagates the
-    loss (gradients add up in .grad); without, it only measures, under no_grad."""
+    loss (gradients add up in .grad); without, it only measures, under no_grad. `proximal`: the proximal
+    policy's logprobs of each micro-batch (the `padded` of a pass over the same ones before the first update)."""
     seen = PolicyPass([], [], [])
-    for batch, counted, last in parallel.share_of_micro_batches(batches):
+    for position, (batch, counted, last) in enumerate(parallel.share_of_micro_batches(batches)):
         tensors = _micro_batch_tensors(datums, batch, (weights if counted else None) or [0.0] * len(datums), device)
         mask = tensors["loss_mask"]
         in_bfloat16 = resolved_autocast(config.autocast_bfloat16, device) == "true"
@@ -158,8 +161,10 @@ def policy_pass(
                 with_entropy=True,
                 temperature=config.temperature,
             )
+            seen.padded.append(logprobs.detach())
             if weights is not None:
-                loss, clipped = token_loss(logprobs, tensors["old_logprobs"], tensors["advantages"], config)
+                before = proximal[position] if proximal is not None else None
+                loss, clipped = token_loss(logprobs, tensors["old_logprobs"], tensors["advantages"], config, before)
                 # DDP and FSDP2 average over the processes; the weights already make the sum the mini-batch's gradient.
                 (loss * tensors["weights"]).sum().mul(parallel.rank_and_world()[1]).backward()
                 seen.loss += float((loss.detach() * tensors["weights"]).sum())
@@ -179,9 +184,10 @@ def accumulate_gradients(
     weights: list[float],
     config: TrainerConfig,
     device: str = "cpu",
+    proximal: list[torch.Tensor] | None = None,
 ) -> PolicyPass:
     """Backward over this process's share of the micro-batches; gradients add up in .grad."""
-    return policy_pass(model, datums, batches, config, device, weights)
+    return policy_pass(model, datums, batches, config, device, weights, proximal)
 
 
 def drift_sums(before: PolicyPass, after: PolicyPass | None, config: TrainerConfig) -> dict[str, float]:
@@ -200,6 +206,10 @@ def drift_sums(before: PolicyPass, after: PolicyPass | None, config: TrainerConf
         "kl_k1": 0.0,
         "kl_k3": 0.0,
         "outside_clip": 0.0,
+        "importance_weight": float(importance_weights(old, sampler, config).sum())
+        if config.objective == "ppo"
+        else 0.0,
+        "importance_limited": float(limited_by_correction(old, sampler, config).sum()),
     }
     if after is not None and after.logprobs:
         log_ratio = torch.cat(after.logprobs) - old  # log pi_after / pi_before
@@ -215,14 +225,21 @@ def mini_batches(num_datums: int, count: int) -> list[list[int]]:
     return [members for m in range(count) if (members := list(range(m, num_datums, count)))]
 
 
-def _update(model, optimizer, parameters, chosen, config, num_samples, device) -> tuple[PolicyPass, float]:
+def _micro_batches(chosen: list[Datum], config: TrainerConfig) -> list[MicroBatch]:
+    # Micro-batches bound the padded tokens in memory at once.
+    return pack_micro_batches([d.num_tokens for d in chosen], config.micro_batch_items, config.micro_batch_tokens)
+
+
+def _update(
+    model, optimizer, parameters, chosen, config, num_samples, device, proximal=None
+) -> tuple[PolicyPass, float]:
     """One optimizer step on the `chosen` datums; what its gradient pass saw, and the gradient norm."""
-    # Micro-batches bound the padded tokens in memory at once; each loss token's weight is fixed for the whole
-    # mini-batch first, so that summing micro-batch gradients gives exactly the mini-batch's gradient.
-    batches = pack_micro_batches([d.num_tokens for d in chosen], config.micro_batch_items, config.micro_batch_tokens)
+    batches = _micro_batches(chosen, config)
+    # Each loss token's weight is fixed for the whole mini-batch first, so that summing micro-batch gradients gives
+    # exactly the mini-batch's gradient.
     weights = loss_token_weights([d.loss_tokens for d in chosen], config.loss_aggregation, num_samples)
     optimizer.zero_grad(set_to_none=True)
-    seen = accumulate_gradients(model, chosen, batches, weights, config, device)
+    seen = accumulate_gradients(model, chosen, batches, weights, config, device, proximal)
     # Clipping bounds a step that a few extreme-advantage tokens would otherwise dominate.
     grad_norm = parallel.as_number(torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm))
     optimizer.step()
@@ -249,6 +266,12 @@ def train_step(
     # A single update sees the policy it starts from in its own gradient pass; several need a pass before them.
     single = len(groups) * config.ppo_epochs == 1
     before = None if single or not datums else policy_pass(model, datums, whole, config, device)
+    # Decoupled PPO's proximal policy, the one before the first update, on each mini-batch's micro-batches as its
+    # updates pack them (a single update has it in its own gradient pass).
+    chosen = [[datums[i] for i in members] for members in groups]
+    proximal = [None] * len(groups)
+    if config.correction != "none" and not single:
+        proximal = [policy_pass(model, some, _micro_batches(some, config), config, device).padded for some in chosen]
     # sample_mean divides by every trajectory of the step (or only those with datums): a group that carries no
     # signal still counts, so a step of mostly equal rewards moves the policy less.
     samples = max(len(datums) if config.filter_zero_variance_groups else num_trajectories, 1)
@@ -256,9 +279,9 @@ def train_step(
     # PPO: several optimizer steps on the same samples; the clip keeps each token's ratio to the sampling policy
     # near 1, so later mini-batches cannot move the policy far from what sampled them.
     for _ in range(config.ppo_epochs):
-        for members in groups:
+        for m, members in enumerate(groups):
             share = samples * len(members) / len(datums)  # sample_mean's denominator: this mini-batch's part
-            seen, grad_norm = _update(model, optimizer, parameters, [datums[i] for i in members], config, share, device)
+            seen, grad_norm = _update(model, optimizer, parameters, chosen[m], config, share, device, proximal[m])
             before = before or seen
             loss, clipped = loss + seen.loss / (len(groups) * config.ppo_epochs), clipped + seen.clipped
             grad_norms.append(grad_norm)
@@ -301,6 +324,8 @@ def _step_metrics(
         kl_k1=sums["kl_k1"] / tokens,
         kl_k3=sums["kl_k3"] / tokens,
         ratio_outside_clip=sums["outside_clip"] / tokens,
+        importance_weight=sums["importance_weight"] / tokens if sums["tokens"] else 1.0,
+        importance_limited=sums["importance_limited"] / tokens,
         seconds=seconds,
         tokens_per_second=real_tokens / seconds if seconds > 0 else 0.0,
         skipped=not datums,

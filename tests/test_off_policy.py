@@ -1,0 +1,143 @@
+"""Sampling a step behind ([rollout] max_staleness): the graph edge that lets step N+1 sample while step N trains,
+the policy recorded on every row, and decoupled PPO's importance weights ([trainer] correction)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import luigi
+import pytest
+import torch
+
+from retool.config.rollout import behaviour_step
+from retool.config.trainer import TrainerConfig
+from retool.files.tables import DATUMS, SAMPLES, TRAJECTORIES, read_table
+from retool.training.losses import importance_weights, limited_by_correction, token_logprobs
+from retool.training.step import load_policy, train_step
+from tests.test_trainer import CONFIG, on_policy_datums
+
+
+def shifted(datum, by: float):
+    """The datum as if a policy that gave each sampled token `by` nats less had sampled it."""
+    return replace(datum, old_logprobs=[o - by if m else 0.0 for o, m in zip(datum.old_logprobs, datum.loss_mask)])
+
+
+def test_a_step_samples_from_the_checkpoint_max_staleness_steps_older():
+    assert [behaviour_step(step, 0) for step in range(4)] == [-1, 0, 1, 2]
+    assert [behaviour_step(step, 1) for step in range(4)] == [-1, -1, 0, 1]
+    assert [behaviour_step(step, 2) for step in range(5)] == [-1, -1, -1, 0, 1]
+
+
+def test_with_a_lag_of_one_a_round_waits_for_the_step_two_before(configure):
+    from pipeline import SampleRound, TrainStep
+
+    configure("lagged", rollout={"max_staleness": 1})
+    policies = {step: SampleRound(step=step, round=0).requires().get("policy") for step in range(4)}
+    assert policies[0] is None and policies[1] is None  # the RL base (the model setting)
+    assert policies[2] == TrainStep(step=0) and policies[3] == TrainStep(step=1)
+    assert TrainStep(step=2) not in luigi.task.flatten(SampleRound(step=3, round=0).requires())
+
+
+def test_the_importance_weight_is_the_truncated_ratio_of_current_to_behaviour_policy(tiny_model_dir):
+    """Against a direct computation on a tiny model: weight min(exp(current − behaviour), cap) per token, 1 for
+    on-policy data; mis drops the tokens outside its band."""
+    model, _ = load_policy(tiny_model_dir, None, CONFIG)
+    datum = on_policy_datums(model)[0]
+    with torch.no_grad():
+        current = token_logprobs(
+            model,
+            torch.tensor([datum.input_tokens]),
+            torch.ones(1, datum.num_tokens, dtype=torch.long),
+            torch.tensor([datum.target_tokens]),
+        )[0][torch.tensor(datum.loss_mask)]
+    behaviour = torch.tensor([o for o, m in zip(datum.old_logprobs, datum.loss_mask) if m]) - torch.linspace(-1, 1, 12)
+    tis = TrainerConfig(correction="tis", correction_cap=2.0)
+    expected = torch.clamp(torch.exp(current - behaviour), max=2.0)
+    torch.testing.assert_close(importance_weights(current, behaviour, tis), expected)
+    assert limited_by_correction(current, behaviour, tis).tolist() == (torch.exp(current - behaviour) > 2).tolist()
+    mis = replace(tis, correction="mis", correction_floor=0.5)
+    raw = torch.exp(current - behaviour)
+    inside = (raw >= 0.5) & (raw <= 2.0)
+    torch.testing.assert_close(importance_weights(current, behaviour, mis), torch.where(inside, raw, 0.0))
+    on_policy = torch.tensor([o for o, m in zip(datum.old_logprobs, datum.loss_mask) if m])
+    torch.testing.assert_close(importance_weights(current, on_policy, tis), torch.ones(12), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("correction", ["none", "tis", "mis"])
+def test_decoupled_ppo_clips_against_the_policy_before_the_update(tiny_model_dir, correction):
+    """Samples of a policy 1 nat less likely on every token (an older checkpoint), two updates. Without a
+    correction every ratio to that policy is e > 1.28, clipped where a positive advantage meets it. With one, the
+    ratio is to the trainer's policy before the update (1, then what the first update moved), and the weight e is
+    truncated to 2 (tis) or the tokens dropped (mis: the step then learns nothing)."""
+    config = replace(CONFIG, ppo_mini_batches=2, correction=correction, correction_cap=2.0)
+    model, optimizer = load_policy(tiny_model_dir, None, config)
+    stale = [shifted(d, 1.0) for d in on_policy_datums(model)]
+    before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
+    metrics = train_step(model, optimizer, stale, config, num_trajectories=2)
+    moved = any(not torch.equal(a, p) for a, p in zip(before, [p for p in model.parameters() if p.requires_grad]))
+    assert metrics.kl_sampler_trainer == pytest.approx(float(torch.e - 2), rel=1e-3)  # KL(behaviour || current)
+    if correction == "none":  # clipped where the clip binds: the half with a positive advantage
+        assert metrics.clip_fraction == 0.5 and metrics.importance_weight == 1.0 and moved
+    elif correction == "tis":
+        assert metrics.clip_fraction < 0.5 and moved
+        assert metrics.importance_weight == pytest.approx(2.0) and metrics.importance_limited == 1.0
+    else:
+        assert metrics.importance_weight == 0.0 and metrics.importance_limited == 1.0 and not moved
+
+
+def test_each_row_records_the_checkpoint_that_sampled_it(configure, monkeypatch):
+    from pipeline import BuildDatums
+    from retool.files.layout import RunFolder
+    from tests.pipeline_helpers import TRAIN, tool_policy
+
+    settings = configure("recorded", rollout={"max_staleness": 1}, trainer=TRAIN)
+    monkeypatch.setattr("retool.sampling.engines.sampler_for", lambda settings, *_: tool_policy(settings))
+    assert luigi.build([BuildDatums(step=1), BuildDatums(step=2)], local_scheduler=True, workers=1, log_level="WARNING")
+    for step, policy in ((0, -1), (1, -1), (2, 0)):
+        folder = RunFolder(settings.run_dir).step(step)
+        tables = (
+            read_table(folder.samples(0, 0), SAMPLES),
+            read_table(folder.trajectories, TRAJECTORIES),
+            read_table(folder.datums, DATUMS),
+        )
+        assert all(set(table.column("policy_step").to_pylist()) <= {policy} for table in tables), step
+
+
+def test_a_lagged_run_samples_the_next_step_while_one_trains_and_repeats_to_the_same_files(configure, monkeypatch):
+    """max_staleness = 1, two Luigi workers: step 2's rounds sample while step 1 trains (the stage timings say
+    so), and the same command twice gives the same tables and weights."""
+    import pyarrow.parquet as pq
+
+    from pipeline import TrainStep
+    from retool.evaluation.metrics import stage_timings
+    from retool.files.layout import RunFolder
+    from tests.pipeline_helpers import TRAIN, tool_policy
+
+    def slow_policy(settings, *_):
+        sampler = tool_policy(settings)
+        sampler.seconds_per_token = 0.002  # a sampler that takes a while, as a real one does
+        return sampler
+
+    monkeypatch.setattr("retool.sampling.engines.sampler_for", slow_policy)
+    runs = []
+    for name in ("lagged-a", "lagged-b"):
+        settings = configure(name, rollout={"max_staleness": 1}, trainer=TRAIN)
+        assert luigi.build([TrainStep(step=2)], local_scheduler=True, workers=2, log_level="WARNING")
+        runs.append(RunFolder(settings.run_dir))
+    trained = next(t for t in stage_timings(runs[0].step(1).timings) if t["stage"] == "TrainStep")
+    sampled = [t for t in stage_timings(runs[0].step(2).timings) if t["stage"] == "SampleRound"]
+    assert min(t["ended"] - t["seconds"] for t in sampled) < trained["ended"]  # step 2 sampled before step 1 ended
+
+    def files(run):
+        return sorted(p.relative_to(run.path) for p in run.path.rglob("*.parquet") if p.name != "metrics.parquet")
+
+    assert files(runs[0]) == files(runs[1]) and files(runs[0])
+
+    def table(path):  # less the sandbox's wall times
+        read = pq.read_table(path)
+        return read.drop_columns([name for name in read.column_names if name == "exec_seconds"])
+
+    for relative in files(runs[0]):
+        assert table(runs[0].path / relative).equals(table(runs[1].path / relative)), relative
+    adapters = [run.step(2).checkpoint / "adapter" / "adapter_model.safetensors" for run in runs]
+    assert adapters[0].read_bytes() == adapters[1].read_bytes()
