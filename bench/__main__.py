@@ -8,6 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.async_steps import bench_async
 from bench.benchmarks import (
     bench_pipeline_vs_memory,
     bench_round_barrier,
@@ -33,6 +34,7 @@ BENCHMARKS = {
     "server": bench_server,
     "cluster": bench_cluster,
     "train-io": bench_train_io,
+    "async": bench_async,
 }
 
 

@@ -103,27 +103,25 @@ def test_each_row_records_the_checkpoint_that_sampled_it(configure, monkeypatch)
         assert all(set(table.column("policy_step").to_pylist()) <= {policy} for table in tables), step
 
 
-def test_a_lagged_run_samples_the_next_step_while_one_trains_and_repeats_to_the_same_files(configure, monkeypatch):
-    """max_staleness = 1, two Luigi workers: step 2's rounds sample while step 1 trains (the stage timings say
-    so), and the same command twice gives the same tables and weights."""
+def test_a_lagged_run_samples_the_next_step_while_one_trains_and_repeats_to_the_same_files(tiny_model_dir, tmp_path):
+    """max_staleness = 1, the command with two Luigi workers (in a process of its own, as users run it: a forked
+    worker of a process that has computed with torch may hang): step 2's rounds sample while step 1 trains (the
+    stage timings say so), and the same command twice gives the same tables and weights."""
     import pyarrow.parquet as pq
 
-    from pipeline import TrainStep
+    from bench.cluster import command, finished, write_config
     from retool.evaluation.metrics import stage_timings
     from retool.files.layout import RunFolder
-    from tests.pipeline_helpers import TRAIN, tool_policy
 
-    def slow_policy(settings, *_):
-        sampler = tool_policy(settings)
-        sampler.seconds_per_token = 0.002  # a sampler that takes a while, as a real one does
-        return sampler
-
-    monkeypatch.setattr("retool.sampling.engines.sampler_for", slow_policy)
     runs = []
     for name in ("lagged-a", "lagged-b"):
-        settings = configure(name, rollout={"max_staleness": 1}, trainer=TRAIN)
-        assert luigi.build([TrainStep(step=2)], local_scheduler=True, workers=2, log_level="WARNING")
-        runs.append(RunFolder(settings.run_dir))
+        config = write_config(
+            tmp_path / f"{name}.cfg", tiny_model_dir, tmp_path / "runs", name, 0, central=False,
+            rollout={"max_staleness": "1"},
+        )  # fmt: skip
+        code, _, errors = finished(command(config, tmp_path / name, "TrainStep", "--step", "2", "--workers", "2"))
+        assert code == 0, errors[-3000:]
+        runs.append(RunFolder(tmp_path / "runs" / name))
     trained = next(t for t in stage_timings(runs[0].step(1).timings) if t["stage"] == "TrainStep")
     sampled = [t for t in stage_timings(runs[0].step(2).timings) if t["stage"] == "SampleRound"]
     assert min(t["ended"] - t["seconds"] for t in sampled) < trained["ended"]  # step 2 sampled before step 1 ended
@@ -131,12 +129,11 @@ def test_a_lagged_run_samples_the_next_step_while_one_trains_and_repeats_to_the_
     def files(run):
         return sorted(p.relative_to(run.path) for p in run.path.rglob("*.parquet") if p.name != "metrics.parquet")
 
-    assert files(runs[0]) == files(runs[1]) and files(runs[0])
-
     def table(path):  # less the sandbox's wall times
         read = pq.read_table(path)
         return read.drop_columns([name for name in read.column_names if name == "exec_seconds"])
 
+    assert files(runs[0]) == files(runs[1]) and files(runs[0])
     for relative in files(runs[0]):
         assert table(runs[0].path / relative).equals(table(runs[1].path / relative)), relative
     adapters = [run.step(2).checkpoint / "adapter" / "adapter_model.safetensors" for run in runs]
