@@ -73,6 +73,7 @@ def test_pipeline_parquet_equals_the_in_memory_rollout(configure, monkeypatch):
                 "text": turn.text,
                 "finish_reason": turn.finish_reason,
                 "seed": turn.seed,
+                "policy_step": 0,  # step 1 samples from step 0's checkpoint
             }
             for t in trajectories
             for r, turn in enumerate(t.turns)

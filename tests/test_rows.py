@@ -39,10 +39,10 @@ def test_every_row_has_exactly_its_files_columns(hermes):
     datum = Datum(0, 1, [1, 2, 3], [2, 3, 4], [0.0, -0.5, -0.25], [0.0, 0.5, 0.5], [False, True, True])
     rows = {
         PROMPTS: prompt_row(0, 0, EXAMPLE, [1, 2]),
-        SAMPLES: sample_row(0, 0, request, 1, sequence, "print(6 * 7)"),
+        SAMPLES: sample_row(0, 0, request, 1, sequence, "print(6 * 7)", -1),
         OBSERVATIONS: observation_row(trajectory, 0, 1),
-        TRAJECTORIES: trajectory_row(trajectory, 0),
-        DATUMS: datum_row(datum, 0),
+        TRAJECTORIES: trajectory_row(trajectory, 0, -1),
+        DATUMS: datum_row(datum, 0, -1),
     }
     for schema, row in rows.items():
         assert list(row) == schema.names
@@ -52,12 +52,12 @@ def test_every_row_has_exactly_its_files_columns(hermes):
 def test_what_is_written_reads_back(hermes):
     request = SampleRequest(0, (0, 1), (1, 2), 8, seed=11)
     sequence = SampledSequence((3, 4), (-0.5, -0.25), "stop")
-    row = sample_row(0, 0, request, 1, sequence, "print(6 * 7)")
+    row = sample_row(0, 0, request, 1, sequence, "print(6 * 7)", -1)
     assert sequence_of(row) == sequence
     assert turn_of(row) == AssistantTurn([1, 2], [3, 4], [-0.5, -0.25], "print(6 * 7)", "stop", 11)
     assert example_of(prompt_row(0, 0, EXAMPLE, [1])) == EXAMPLE
     datum = Datum(0, 1, [1, 2, 3], [2, 3, 4], [0.0, -0.5, -0.25], [0.0, 0.5, 0.5], [False, True, True])
-    assert datum_of(datum_row(datum, 0)) == datum
+    assert datum_of(datum_row(datum, 0, -1)) == datum
     ended = ended_trajectory()
     restored = Trajectory(EXAMPLE, 0, 1, [], turns=[AssistantTurn([1, 2], [3, 4], [-0.5], "x", "stop", 11)])
     restore_observation(restored, observation_row(ended, 0, 1), hermes)
