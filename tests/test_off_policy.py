@@ -12,9 +12,9 @@ import torch
 from retool.config.rollout import behaviour_step
 from retool.config.trainer import TrainerConfig
 from retool.files.tables import DATUMS, SAMPLES, TRAJECTORIES, read_table
-from retool.training.losses import importance_weights, limited_by_correction, token_logprobs
+from retool.training.losses import importance_weights, limited_by_correction
 from retool.training.step import load_policy, train_step
-from tests.test_trainer import CONFIG, on_policy_datums
+from tests.test_trainer import CONFIG, datum_logprobs, on_policy_datums
 
 
 def shifted(datum, by: float):
@@ -43,13 +43,7 @@ def test_the_importance_weight_is_the_truncated_ratio_of_current_to_behaviour_po
     on-policy data; mis drops the tokens outside its band."""
     model, _ = load_policy(tiny_model_dir, None, CONFIG)
     datum = on_policy_datums(model)[0]
-    with torch.no_grad():
-        current = token_logprobs(
-            model,
-            torch.tensor([datum.input_tokens]),
-            torch.ones(1, datum.num_tokens, dtype=torch.long),
-            torch.tensor([datum.target_tokens]),
-        )[0][torch.tensor(datum.loss_mask)]
+    current = datum_logprobs(model, datum)[torch.tensor(datum.loss_mask)]
     behaviour = torch.tensor([o for o, m in zip(datum.old_logprobs, datum.loss_mask) if m]) - torch.linspace(-1, 1, 12)
     tis = TrainerConfig(correction="tis", correction_cap=2.0)
     expected = torch.clamp(torch.exp(current - behaviour), max=2.0)

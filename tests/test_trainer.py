@@ -35,15 +35,19 @@ def make_datum(question, group, prompt, completion, advantage, old_logprobs, obs
     )
 
 
-def sequence_logprob(model, datum):
+def datum_logprobs(model, datum) -> torch.Tensor:
+    """The model's logprob of each of the datum's targets (no gradient)."""
     with torch.no_grad():
-        logprobs = token_logprobs(
+        return token_logprobs(
             model,
             torch.tensor([datum.input_tokens]),
             torch.ones(1, datum.num_tokens, dtype=torch.long),
             torch.tensor([datum.target_tokens]),
         )[0]
-    return float(logprobs[torch.tensor(datum.loss_mask)].sum())
+
+
+def sequence_logprob(model, datum):
+    return float(datum_logprobs(model, datum)[torch.tensor(datum.loss_mask)].sum())
 
 
 def on_policy_datums(model):
@@ -52,13 +56,7 @@ def on_policy_datums(model):
     datums = []
     for group, (completion, advantage) in enumerate([(list(range(300, 312)), 1.0), (list(range(400, 412)), -1.0)]):
         draft = make_datum(0, group, prompt, completion, advantage, [0.0] * len(completion))
-        with torch.no_grad():
-            logprobs = token_logprobs(
-                model,
-                torch.tensor([draft.input_tokens]),
-                torch.ones(1, draft.num_tokens, dtype=torch.long),
-                torch.tensor([draft.target_tokens]),
-            )[0].tolist()
+        logprobs = datum_logprobs(model, draft).tolist()
         old = [lp if m else 0.0 for lp, m in zip(logprobs, draft.loss_mask)]
         datums.append(replace(draft, old_logprobs=old))
     return datums
