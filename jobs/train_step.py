@@ -52,8 +52,9 @@ def train_step(
     resident = in_group or multiprocessing.parent_process() is None
     full_save = not resident or saves_in_full(step, run.trainer.save_every)
     kept = [row for row in read_table(trajectories, TRAJECTORIES).to_pylist() if row["kept"]]
+    base = rl_base(cold_start, run.model.name)
     inputs = StepInputs(
-        base_model=rl_base(cold_start, run.model.name),
+        base_model=base,
         datums=datums,
         num_trajectories=len(kept),  # of the groups that train
         zero_variance_groups=zero_variance_groups((row["question_index"], row["reward"]) for row in kept),
@@ -61,7 +62,7 @@ def train_step(
         out=checkpoint,
         config=run.trainer_on_device(),
         served_in="" if full_save else engine_dtype(run.sampler, run.run.device),
-        stale=policy_step(run, step) != step - 1,
+        behaviour=older_policy(run, step, base),
     )
     release_sampler_memory(run)  # the sampler sleeps while the step trains on the GPU
     if in_group:
@@ -74,6 +75,15 @@ def train_step(
     prune_checkpoints([(s, folder.step(s).checkpoint) for s in range(step + 1)], run.run.keep_last, run.run.keep_every)
     line = write_metrics(trajectories, observations, timings, training, metrics, run, step)
     return f"{describe_metrics(training)}\n  {line}"
+
+
+def older_policy(run: RunSettings, step: int, base: Path) -> Path | None:
+    """The policy that sampled the step if older than the checkpoint it trains from ([rollout] max_staleness): that
+    checkpoint, or `base`; None: on-policy."""
+    sampled_by = policy_step(run, step)
+    if sampled_by == step - 1:
+        return None
+    return RunFolder(run.run_dir).step(sampled_by).checkpoint if sampled_by >= 0 else base
 
 
 def _train_here(inputs, device: str, hold_on: str) -> StepMetrics:

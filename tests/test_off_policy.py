@@ -132,3 +132,33 @@ def test_a_lagged_run_samples_the_next_step_while_one_trains_and_repeats_to_the_
         assert table(runs[0].path / relative).equals(table(runs[1].path / relative)), relative
     adapters = [run.step(2).checkpoint / "adapter" / "adapter_model.safetensors" for run in runs]
     assert adapters[0].read_bytes() == adapters[1].read_bytes()
+
+
+@pytest.mark.parametrize("lora_rank", [8, 0])
+def test_a_stale_steps_sampler_gap_is_taken_under_the_policy_that_sampled_it(tiny_model_dir, lora_rank):
+    """Samples of the base model, trained from a policy one update further: their gap to the trainer's policy is
+    the update's own change, their gap to the base (the policy that sampled them) none; a sampler that served other
+    weights still shows. The weights and the random state the step trains from are untouched by the check."""
+    from retool.training.resume import gap_to_behaviour
+
+    config = replace(CONFIG, lora_rank=lora_rank, learning_rate=5e-3 if lora_rank else 1e-3)
+    model, optimizer = load_policy(tiny_model_dir, None, config)
+    datums = on_policy_datums(model)
+    train_step(model, optimizer, datums, config, num_trajectories=2)  # the policy moves on: the one a step later
+    drifted = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), datums, config, num_trajectories=2)
+    weights = {name: value.clone() for name, value in model.state_dict().items()}
+    random_state = torch.get_rng_state()
+    gap = gap_to_behaviour(model, model, datums, tiny_model_dir, None, config, "cpu")
+    assert drifted.logprob_gap > 1e-3 and gap < 1e-5
+    assert all(torch.equal(value, weights[name]) for name, value in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), random_state)
+    wrong = gap_to_behaviour(model, model, [shifted(d, 0.5) for d in datums], tiny_model_dir, None, config, "cpu")
+    assert wrong == pytest.approx(0.5, abs=1e-4)
+
+
+def test_a_lag_keeps_the_checkpoints_the_steps_behind_sample_from():
+    from retool.config.settings import RunSettings, SettingsError, check_training
+
+    with pytest.raises(SettingsError, match=r"\[run\] keep_last = 2 with \[rollout\] max_staleness = 2"):
+        check_training(RunSettings().changed(run={"keep_last": 2}, rollout={"max_staleness": 2}))
+    check_training(RunSettings().changed(run={"keep_last": 3}, rollout={"max_staleness": 2}))

@@ -364,7 +364,7 @@ def test_task_help_does_not_import_torch():
 
 def test_a_sampler_that_does_not_serve_the_policy_fails_the_step_before_saving(configure, monkeypatch):
     from jobs.train_step import train_step
-    from retool.training.step import PolicySyncError
+    from retool.training.resume import PolicySyncError
 
     settings = configure("out-of-sync", trainer={**TRAIN, "max_sampler_gap": 1e-3})  # scripted logprobs are made up
     assert not build_train(settings, 0, tool_policy(settings), monkeypatch)

@@ -15,7 +15,8 @@ from retool.rollout.datums import Datum
 from retool.sampling.adapters import adapter_for_engine, keeps_language_model_apart, served_name
 from retool.sampling.contract import SampleRequest, SamplingSettings
 from retool.training.checkpoints import save_checkpoint
-from retool.training.step import PolicySyncError, check_policy_sync, load_policy, train_step
+from retool.training.resume import PolicySyncError, check_policy_sync
+from retool.training.step import load_policy, train_step
 from retool.weights.checkpoint import Checkpoint
 from retool.weights.models import build_tiny_model
 from tests.test_trainer import on_policy_datums

@@ -125,7 +125,7 @@ def test_shards_run_by_two_workers_sample_from_one_server(configure, server):
 
 def test_a_lora_policy_switched_through_the_server_passes_the_sync_check(server, tiny_model_dir, tmp_path):
     from retool.config.trainer import TrainerConfig
-    from retool.training.step import check_policy_sync
+    from retool.training.resume import check_policy_sync
     from tests.test_policy_sync import sync_metrics, trained_checkpoint
 
     model = trained_checkpoint(tiny_model_dir, tmp_path / "step0")

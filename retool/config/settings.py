@@ -213,6 +213,12 @@ def check_training(settings: RunSettings) -> None:
             "takes each token's logprob over the whole vocabulary (at the sampling temperature) and a nucleus "
             "would make the sampler's distribution another one; an evaluation may set its own (--top-p)"
         )
+    if settings.run.keep_last <= settings.rollout.max_staleness:
+        raise SettingsError(
+            f"setting [run] keep_last = {settings.run.keep_last} with [rollout] max_staleness = "
+            f"{settings.rollout.max_staleness}: the steps sampling behind need the last max_staleness + 1 checkpoints' "
+            "weights, which keep_last would delete"
+        )
     limit = seed_capacity("question_index")
     if settings.data.questions_rolled_out > limit:
         name = "questions_drawn" if settings.data.questions_drawn else "questions_per_step"

@@ -18,8 +18,8 @@ class StepMetrics:
     loss: float
     grad_norm: float
     clip_fraction: float  # loss tokens where the clip was active, over every update
-    logprob_gap: float  # mean |trainer logprob - sampler logprob| on loss tokens
-    kl_sampler_trainer: float  # k3 estimate of KL(sampler || trainer) on loss tokens
+    logprob_gap: float  # mean |trainer - sampler logprob| on loss tokens, under the checkpoint that sampled them
+    kl_sampler_trainer: float  # k3 estimate of KL(sampler || trainer before the update) on loss tokens
     entropy: float  # mean entropy (nats) of the policy's next-token distribution on loss tokens, before the update
     kl_k1: float  # KL(policy before || after the update), k1 estimate on the loss tokens (PPO only)
     kl_k3: float  # the same KL, k3 estimate (never negative)

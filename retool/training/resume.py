@@ -1,6 +1,6 @@
 """One PPO step from files, in-process or under torchrun: the state it starts from (held in memory from the step
 before, loaded from a full save, or replayed from the datums of the steps since the last full save), the update,
-and its checkpoint.
+the check that the sampler served the policy it was given, and the checkpoint.
 
 A training step is deterministic given its datums and the state it starts from, so the datums files are the
 write-ahead log of the trainer: only every [trainer] save_every steps does a checkpoint hold the Adam state and
@@ -11,17 +11,29 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from retool.config.trainer import TrainerConfig
 from retool.files.tables import DATUMS, read_table
-from retool.rollout.datums import datums_from_table
+from retool.rollout.datums import Datum, datums_from_table
 from retool.training import parallel, resident
 from retool.training.checkpoints import save_checkpoint
 from retool.training.memory_plan import check_memory
+from retool.training.packing import pack_micro_batches
 from retool.training.record import StepMetrics
-from retool.training.step import check_policy_sync, load_model, optimizer_for, release_memory, set_seed, train_step
+from retool.training.step import (
+    drift_sums,
+    load_model,
+    optimizer_for,
+    policy_pass,
+    release_memory,
+    set_seed,
+    train_step,
+)
 from retool.weights.checkpoint import Checkpoint
 
 log = logging.getLogger(__name__)
@@ -40,7 +52,9 @@ class StepInputs:
     out: Path  # the checkpoint this step writes
     config: TrainerConfig  # the [trainer] section for the device, `auto` resolved
     served_in: str = ""  # not a full save: the full weights written in this dtype (the engine's); "" = a full save
-    stale: bool = False  # sampled by a checkpoint older than `previous` ([rollout] max_staleness): no sampler-gap check
+    # The policy that sampled the datums if older than `previous` ([rollout] max_staleness): its checkpoint, or
+    # `base_model` itself; None: `previous`
+    behaviour: Path | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), default=str)
@@ -48,8 +62,9 @@ class StepInputs:
     @classmethod
     def from_json(cls, text: str) -> StepInputs:
         fields = json.loads(text)
-        names = ("base_model", "datums", "previous", "out")
-        paths = {name: Path(fields[name]) if fields[name] else None for name in names}
+        fields.pop("stale", None)  # recorded by earlier versions, which made no check of a stale step
+        names = ("base_model", "datums", "previous", "out", "behaviour")
+        paths = {name: Path(fields[name]) if fields.get(name) else None for name in names}
         return cls(**{**fields, **paths, "config": TrainerConfig(**fields["config"])})
 
 
@@ -66,11 +81,18 @@ def train_from_files(inputs: StepInputs, device: str = "cpu", hold_on: str = "")
     model, trained, optimizer = starting_state(inputs, device)
     try:
         datums = datums_from_table(read_table(inputs.datums, DATUMS))
+        # Samples of an older policy are checked against it: their gap to this one is the policy's own change.
+        behaviour = (
+            None if inputs.behaviour is None or inputs.behaviour.resolve() == base_model.resolve() else inputs.behaviour
+        )
+        gap = None
+        if inputs.behaviour is not None and config.objective == "ppo" and datums:
+            gap = gap_to_behaviour(model, trained, datums, base_model, behaviour, config, device)
         metrics = train_step(
             trained, optimizer, datums, config, inputs.num_trajectories, device, inputs.zero_variance_groups
         )
-        if not inputs.stale:  # the gap to an older policy is the policy's own change, not a sampler's fault
-            check_policy_sync(metrics, config, inputs.previous or base_model)
+        metrics = metrics if gap is None else replace(metrics, logprob_gap=gap)
+        check_policy_sync(metrics, config, inputs.behaviour or inputs.previous or base_model)
         # Every process takes part; the first writes. Adam's state only for a full save.
         gathered = parallel.whole_state(model, None if inputs.served_in else optimizer, trained)
         if parallel.rank_and_world()[0] == 0:
@@ -125,7 +147,7 @@ def steps_to_replay(checkpoint: Path | None) -> tuple[list[StepInputs], Path | N
 
 
 # A step's files are recorded relative to its checkpoint, so that a run folder replays wherever it lies.
-_RELATIVE = ("datums", "previous", "out")
+_RELATIVE = ("datums", "previous", "out", "behaviour")
 
 
 def recorded(inputs: StepInputs) -> dict:
@@ -137,5 +159,47 @@ def recorded(inputs: StepInputs) -> dict:
 def replay_of(checkpoint: Path) -> StepInputs:
     """The inputs `checkpoint` was trained from, as its inputs.json records them."""
     fields = json.loads(Checkpoint(checkpoint).inputs.read_text())
-    paths = {name: os.path.normpath(checkpoint / fields[name]) for name in _RELATIVE if fields[name]}
+    paths = {name: os.path.normpath(checkpoint / fields[name]) for name in _RELATIVE if fields.get(name)}
     return StepInputs.from_json(json.dumps({**fields, **paths}))
+
+
+class PolicySyncError(RuntimeError):
+    """The sampler's logprobs are not the policy's it claims: it sampled from other weights."""
+
+
+def check_policy_sync(metrics: StepMetrics, config: TrainerConfig, policy: Path) -> None:
+    """Before anything is saved: the trainer's logprobs of the sampled tokens, under the policy the
+    sampler was given, must match the sampler's own within `max_sampler_gap` (mean absolute gap)."""
+    if config.objective != "ppo" or not config.max_sampler_gap or not metrics.loss_tokens:
+        return
+    if metrics.logprob_gap > config.max_sampler_gap:
+        raise PolicySyncError(
+            f"the sampler does not serve the trained policy {policy}: its logprobs of the {metrics.loss_tokens} "
+            f"sampled tokens differ from the trainer's by {metrics.logprob_gap:.3g} on average, "
+            f"over max_sampler_gap = {config.max_sampler_gap:g}. The sampler loaded other weights (a skipped LoRA "
+            "adapter, a stale in-place reload, another dtype); nothing was saved"
+        )
+
+
+def gap_to_behaviour(
+    model, trained, datums: list[Datum], base_model: Path, behaviour: Path | None, config: TrainerConfig, device: str
+) -> float:
+    """The sampler gap of a step sampled by an older policy than the one it trains from ([rollout] max_staleness):
+    mean |sampler − trainer| logprob under that policy, `behaviour` (a checkpoint; None: the base model). Its weights
+    go into the model for one no-grad pass and this process's own are put back bit for bit, so the memory it needs
+    is on the host (a second model there), not on the device; `trained`: the model's data-parallel wrapper."""
+    own = get_model_state_dict(model, options=StateDictOptions(cpu_offload=True))
+    if next(model.parameters()).device.type == "cpu":  # offloading copied nothing: the values are the weights
+        own = {name: value.clone() for name, value in own.items()}
+    with torch.random.fork_rng(devices=[]):  # a new LoRA adapter draws its A matrices: leave the step's random state
+        older = load_model(base_model, behaviour, config, "cpu")
+    set_model_state_dict(model, older.state_dict(), options=StateDictOptions(full_state_dict=True))
+    del older
+    try:
+        whole = pack_micro_batches([d.num_tokens for d in datums], config.micro_batch_items, config.micro_batch_tokens)
+        sums = parallel.summed_over_processes(
+            drift_sums(policy_pass(trained, datums, whole, config, device), None, config), device
+        )
+    finally:
+        set_model_state_dict(model, own, options=StateDictOptions())
+    return sums["gap"] / max(sums["tokens"], 1.0)

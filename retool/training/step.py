@@ -345,22 +345,3 @@ def release_memory(device: str, collect: bool = True) -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
         pass
-
-
-class PolicySyncError(RuntimeError):
-    """The sampler's logprobs are not the trained policy's: it sampled from other weights."""
-
-
-def check_policy_sync(metrics: StepMetrics, config: TrainerConfig, policy: Path) -> None:
-    """Before anything is saved: the trainer's logprobs of the sampled tokens, under the policy the
-    sampler was given, must match the sampler's own within `max_sampler_gap` (mean absolute gap)."""
-    if config.objective != "ppo" or not config.max_sampler_gap or not metrics.loss_tokens:
-        return
-    if metrics.logprob_gap > config.max_sampler_gap:
-        raise PolicySyncError(
-            f"the sampler does not serve the trained policy {policy}: its logprobs of the {metrics.loss_tokens} "
-            f"sampled tokens differ from the trainer's by {metrics.logprob_gap:.3g} on average "
-            f"(KL {metrics.kl_sampler_trainer:.3g}), "
-            f"over max_sampler_gap = {config.max_sampler_gap:g}. The sampler loaded other weights (a skipped LoRA "
-            "adapter, a stale in-place reload, another dtype); nothing was saved"
-        )
