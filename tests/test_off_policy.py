@@ -97,25 +97,41 @@ def test_each_row_records_the_checkpoint_that_sampled_it(configure, monkeypatch)
         assert all(set(table.column("policy_step").to_pylist()) <= {policy} for table in tables), step
 
 
-def test_a_lagged_run_samples_the_next_step_while_one_trains_and_repeats_to_the_same_files(tiny_model_dir, tmp_path):
+def test_a_lagged_run_samples_the_next_step_while_one_trains_and_a_killed_run_repeats_it(tiny_model_dir, tmp_path):
     """max_staleness = 1, the command with two Luigi workers (in a process of its own, as users run it: a forked
     worker of a process that has computed with torch may hang): step 2's rounds sample while step 1 trains (the
-    stage timings say so), and the same command twice gives the same tables and weights."""
+    stage timings say so); the same command killed (SIGKILL, every process of it) once step 1 trains, and run
+    again, gives the uninterrupted run's tables and weights."""
+    import os
+    import signal
+    import time
+
     import pyarrow.parquet as pq
 
     from bench.cluster import command, finished, write_config
     from retool.evaluation.metrics import stage_timings
     from retool.files.layout import RunFolder
 
-    runs = []
-    for name in ("lagged-a", "lagged-b"):
+    def run(name: str, killed: bool) -> RunFolder:
+        folder = RunFolder(tmp_path / "runs" / name)
         config = write_config(
             tmp_path / f"{name}.cfg", tiny_model_dir, tmp_path / "runs", name, 0, central=False,
             rollout={"max_staleness": "1"},
         )  # fmt: skip
-        code, _, errors = finished(command(config, tmp_path / name, "TrainStep", "--step", "2", "--workers", "2"))
+        arguments = ("TrainStep", "--step", "2", "--workers", "2")
+        process = command(config, tmp_path / name, *arguments)
+        if killed:
+            while process.poll() is None and not folder.step(1).datums.exists():
+                time.sleep(0.02)
+            assert process.poll() is None and not (folder.step(2).checkpoint / "_SUCCESS").exists()
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            process = command(config, tmp_path / f"{name}-again", *arguments)
+        code, _, errors = finished(process)
         assert code == 0, errors[-3000:]
-        runs.append(RunFolder(tmp_path / "runs" / name))
+        return folder
+
+    runs = [run("lagged-a", killed=False), run("lagged-b", killed=True)]
     trained = next(t for t in stage_timings(runs[0].step(1).timings) if t["stage"] == "TrainStep")
     sampled = [t for t in stage_timings(runs[0].step(2).timings) if t["stage"] == "SampleRound"]
     assert min(t["ended"] - t["seconds"] for t in sampled) < trained["ended"]  # step 2 sampled before step 1 ended
