@@ -3,6 +3,7 @@ the policy recorded on every row, and decoupled PPO's importance weights ([train
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import luigi
@@ -109,6 +110,7 @@ def test_a_lagged_run_samples_the_next_step_while_one_trains_and_a_killed_run_re
     import pyarrow.parquet as pq
 
     from bench.cluster import command, finished, write_config
+    from retool.evaluation.analysis import metrics_by_step
     from retool.evaluation.metrics import stage_timings
     from retool.files.layout import RunFolder
 
@@ -135,6 +137,9 @@ def test_a_lagged_run_samples_the_next_step_while_one_trains_and_a_killed_run_re
     trained = next(t for t in stage_timings(runs[0].step(1).timings) if t["stage"] == "TrainStep")
     sampled = [t for t in stage_timings(runs[0].step(2).timings) if t["stage"] == "SampleRound"]
     assert min(t["ended"] - t["seconds"] for t in sampled) < trained["ended"]  # step 2 sampled before step 1 ended
+    # A scripted sampler, no sampler-gap check: the gap of a stale step is not measured (NaN), an on-policy one's is.
+    gaps = metrics_by_step(runs[0].path)["train_logprob_gap"].to_list()
+    assert gaps[0] >= 0 and all(math.isnan(gap) for gap in gaps[1:])
 
     def files(run):
         return sorted(p.relative_to(run.path) for p in run.path.rglob("*.parquet") if p.name != "metrics.parquet")
@@ -151,11 +156,11 @@ def test_a_lagged_run_samples_the_next_step_while_one_trains_and_a_killed_run_re
 
 
 @pytest.mark.parametrize("lora_rank", [8, 0])
-def test_a_stale_steps_sampler_gap_is_taken_under_the_policy_that_sampled_it(tiny_model_dir, lora_rank):
+def test_a_stale_steps_sampler_gap_is_taken_under_the_policy_that_sampled_it(tiny_model_dir, tmp_path, lora_rank):
     """Samples of the base model, trained from a policy one update further: their gap to the trainer's policy is
     the update's own change, their gap to the base (the policy that sampled them) none; a sampler that served other
     weights still shows. The weights and the random state the step trains from are untouched by the check."""
-    from retool.training.resume import gap_to_behaviour
+    from retool.training.resume import StepInputs, gap_to_behaviour
 
     config = replace(CONFIG, lora_rank=lora_rank, learning_rate=5e-3 if lora_rank else 1e-3)
     model, optimizer = load_policy(tiny_model_dir, None, config)
@@ -164,11 +169,14 @@ def test_a_stale_steps_sampler_gap_is_taken_under_the_policy_that_sampled_it(tin
     drifted = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), datums, config, num_trajectories=2)
     weights = {name: value.clone() for name, value in model.state_dict().items()}
     random_state = torch.get_rng_state()
-    gap = gap_to_behaviour(model, model, datums, tiny_model_dir, None, config, "cpu")
+    files = {"datums": tmp_path / "datums.parquet", "previous": tmp_path / "step0", "out": tmp_path / "step1"}
+    inputs = StepInputs(tiny_model_dir, **files, num_trajectories=2, zero_variance_groups=0, config=config)
+    inputs = replace(inputs, behaviour=tiny_model_dir)  # sampled by the base model
+    gap = gap_to_behaviour(model, model, datums, inputs, "cpu")
     assert drifted.logprob_gap > 1e-3 and gap < 1e-5
     assert all(torch.equal(value, weights[name]) for name, value in model.state_dict().items())
     assert torch.equal(torch.get_rng_state(), random_state)
-    wrong = gap_to_behaviour(model, model, [shifted(d, 0.5) for d in datums], tiny_model_dir, None, config, "cpu")
+    wrong = gap_to_behaviour(model, model, [shifted(d, 0.5) for d in datums], inputs, "cpu")
     assert wrong == pytest.approx(0.5, abs=1e-4)
 
 

@@ -18,7 +18,9 @@ class StepMetrics:
     loss: float
     grad_norm: float
     clip_fraction: float  # loss tokens where the clip was active, over every update
-    logprob_gap: float  # mean |trainer - sampler logprob| on loss tokens, under the checkpoint that sampled them
+    # mean |trainer - sampler logprob| on loss tokens, under the checkpoint that sampled them (NaN: a step sampled by
+    # an older checkpoint, [rollout] max_staleness, without the sampler-gap check, which alone takes that pass)
+    logprob_gap: float
     kl_sampler_trainer: float  # k3 estimate of KL(sampler || trainer before the update) on loss tokens
     entropy: float  # mean entropy (nats) of the policy's next-token distribution on loss tokens, before the update
     kl_k1: float  # KL(policy before || after the update), k1 estimate on the loss tokens (PPO only)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -81,13 +82,12 @@ def train_from_files(inputs: StepInputs, device: str = "cpu", hold_on: str = "")
     model, trained, optimizer = starting_state(inputs, device)
     try:
         datums = datums_from_table(read_table(inputs.datums, DATUMS))
-        # Samples of an older policy are checked against it: their gap to this one is the policy's own change.
-        behaviour = (
-            None if inputs.behaviour is None or inputs.behaviour.resolve() == base_model.resolve() else inputs.behaviour
-        )
+        # Samples of an older policy are checked against it (their gap to this one is the policy's own change): one
+        # pass under its weights, taken for the check only; without the check a stale step's gap is not measured.
         gap = None
-        if inputs.behaviour is not None and config.objective == "ppo" and datums:
-            gap = gap_to_behaviour(model, trained, datums, base_model, behaviour, config, device)
+        if inputs.behaviour is not None:
+            checked = config.max_sampler_gap and config.objective == "ppo" and datums
+            gap = gap_to_behaviour(model, trained, datums, inputs, device) if checked else math.nan
         metrics = train_step(
             trained, optimizer, datums, config, inputs.num_trajectories, device, inputs.zero_variance_groups
         )
@@ -181,13 +181,13 @@ def check_policy_sync(metrics: StepMetrics, config: TrainerConfig, policy: Path)
         )
 
 
-def gap_to_behaviour(
-    model, trained, datums: list[Datum], base_model: Path, behaviour: Path | None, config: TrainerConfig, device: str
-) -> float:
+def gap_to_behaviour(model, trained, datums: list[Datum], inputs: StepInputs, device: str) -> float:
     """The sampler gap of a step sampled by an older policy than the one it trains from ([rollout] max_staleness):
-    mean |sampler − trainer| logprob under that policy, `behaviour` (a checkpoint; None: the base model). Its weights
-    go into the model for one no-grad pass and this process's own are put back bit for bit, so the memory it needs
-    is on the host (a second model there), not on the device; `trained`: the model's data-parallel wrapper."""
+    mean |sampler − trainer| logprob under that policy, `inputs.behaviour`. Its weights go into the model for one
+    no-grad pass and this process's own are put back bit for bit, so the memory it needs is on the host (a second
+    model there), not on the device; `trained`: the model's data-parallel wrapper."""
+    config, base_model = inputs.config, inputs.base_model
+    behaviour = None if inputs.behaviour.resolve() == base_model.resolve() else inputs.behaviour  # None: the base
     own = get_model_state_dict(model, options=StateDictOptions(cpu_offload=True))
     if next(model.parameters()).device.type == "cpu":  # offloading copied nothing: the values are the weights
         own = {name: value.clone() for name, value in own.items()}
