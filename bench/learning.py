@@ -1,8 +1,8 @@
 """The learning benchmark: does the default run learn? (`python -m bench learning`)
 
 The default CPU run (configs/cpu.cfg) with more RL steps and more evaluation samples: the base model, the
-cold start (SFT) and SFT + RL on the held-out questions of data/synthetic_eval.jsonl, in-family and
-held-out-family questions apart, with the paired 95 % intervals; then the RL diagnostics of every step.
+cold start (SFT) and SFT + RL on the held-out questions of data/synthetic_eval.jsonl, the questions of sft,
+rl and held-out families apart, with the paired 95 % intervals; then the RL diagnostics of every step.
 `--set trainer.learning_rate=1e-5` tries another recipe; `--reuse RUN` starts from the cold start and the
 base and SFT evaluations of an earlier run with the same cold-start settings, so that recipes of the RL
 stage are compared on the same SFT checkpoint (and `--against RUN` pairs the final policies question by
@@ -19,7 +19,7 @@ from pathlib import Path
 from bench.benchmarks import REPO, default_run_settings, luigi_build
 
 LEARNING_STEPS = 10  # RL steps of the learning benchmark
-LEARNING_SAMPLES = 2  # evaluation samples per held-out question (all 260 of them)
+LEARNING_SAMPLES = 2  # evaluation samples per held-out question (all 332 of them)
 
 
 def parse_overrides(assignments: list[str]) -> dict[str, dict[str, str]]:
@@ -133,7 +133,7 @@ def _stage_seconds(run: Path) -> list[tuple[str, str]]:
 
 
 def _paired_against(final: Path, other: Path) -> list[tuple[str, str]]:
-    """This run's final policy against another run's on the same questions, in-family and held-out apart."""
+    """This run's final policy against another run's on the same questions, each family role apart."""
     from jobs.before_after import training_sources
     from pipeline.config import current_settings
     from retool.evaluation.scores import paired_difference, question_groups
@@ -142,7 +142,7 @@ def _paired_against(final: Path, other: Path) -> list[tuple[str, str]]:
 
     ours, theirs = (read_table(StepFolder(folder).trajectories, TRAJECTORIES) for folder in (final, other))
     rows = []
-    for group, part in question_groups(ours, training_sources(current_settings())).items():
+    for group, part in question_groups(ours, *training_sources(current_settings())).items():
         mean, half_width, questions = paired_difference(theirs, part)
         rows.append((f"vs {other}: {group}", f"Average {mean:+.3f} ± {half_width:.3f} over {questions} questions"))
     return rows

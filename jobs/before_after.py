@@ -1,5 +1,6 @@
 """BeforeAfter: the before/after table of a run's evaluations of one data set (base model, cold start, the last
-RL checkpoint), in-family and held-out-family questions apart -> before-after table, then the run's report."""
+RL checkpoint), by the role of the questions' families (sft, rl, held-out) -> before-after table, then the run's
+report."""
 
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from retool.files.atomic import write_text_atomically
 from retool.files.tables import TRAJECTORIES, read_table
 
 
-def training_sources(run: RunSettings) -> frozenset[str]:
-    """The data sources (a synthetic problem's family) of the run's training files: RL data and cold start."""
-    sources = {example.data_source for example in read_examples(run.data.train)}
-    if run.cold_start.data:
-        sources |= {conversation.data_source for conversation in read_conversations(run.cold_start.data)}
-    return frozenset(sources)
+def training_sources(run: RunSettings) -> tuple[frozenset[str], frozenset[str]]:
+    """The data sources (a synthetic problem's family) of the run's cold-start conversations and of its RL data."""
+    rl = frozenset(example.data_source for example in read_examples(run.data.train))
+    if not run.cold_start.data:
+        return frozenset(), rl
+    return frozenset(conversation.data_source for conversation in read_conversations(run.cold_start.data)), rl
 
 
 def before_after(
@@ -35,7 +36,7 @@ def before_after(
     trajectories = {label: read_table(path, TRAJECTORIES) for label, path in evaluations}
     (final, _), earlier = evaluations[-1], evaluations[:-1]
     groups = []
-    for group, final_part in question_groups(trajectories[final], training_sources(run)).items():
+    for group, final_part in question_groups(trajectories[final], *training_sources(run)).items():
         ids = pa.array(sorted(set(final_part.column("example_id").to_pylist())))
         parts = {
             label: table.filter(pc.is_in(table.column("example_id"), value_set=ids))

@@ -67,13 +67,13 @@ def test_the_default_run_cold_starts_updates_every_step_and_compares(tmp_path, d
 
     (table_path,) = run.glob("eval/heldout-*/retool-n2/before_after-step=0001.md")  # the file's name and content
     table = table_path.read_text()
-    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.splitlines()[2:8]]
-    assert [row[1] for row in rows] == ["base", "SFT", "RL step 1"] * 2
-    assert rows[0][0].startswith("in-family") and rows[3][0].startswith("held-out families")
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.splitlines()[2:11]]
+    assert [row[1] for row in rows] == ["base", "SFT", "RL step 1"] * 3
+    assert [rows[i][0].split(" (")[0] for i in (0, 3, 6)] == ["sft families", "rl families", "held-out families"]
     sft, rl = (
         pl.read_parquet(next(run.glob(f"eval/heldout-*/retool-n2/step={s}/summary.parquet"))) for s in ("sft", "0001")
     )
     assert rl["format"][0] >= sft["format"][0] - 0.2  # RL keeps the answer format the cold start taught
-    assert "in-family: RL step 1 - SFT" in table and "held-out families: RL step 1 - base" in table
+    assert "rl families: RL step 1 - SFT" in table and "held-out families: RL step 1 - base" in table
     assert table in result.stdout
     assert (run / "report" / "step=0001" / "diagnostics.png").exists()

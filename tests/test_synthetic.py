@@ -62,8 +62,9 @@ def test_no_held_out_family_or_evaluation_question_is_in_a_training_file():
     trained = {c.question for c in read_conversations(SFT)} | {e.question for e in read_examples(TRAIN)}
     evaluation = read_examples(EVAL)
     assert len(evaluation) >= 256 and not {e.question for e in evaluation} & trained
-    kinds = Counter(family_of(e.data_source) in held_out for e in evaluation[:64])
-    assert kinds[True] == kinds[False] == 32  # any first N questions hold both kinds
+    roles = {family: role for role in ROLES for family in families_of(role)}
+    assert Counter(roles[family_of(e.data_source)] for e in evaluation[:63]) == {r: 21 for r in ROLES}  # any first N
+    assert all(count >= 100 for count in Counter(roles[family_of(e.data_source)] for e in evaluation).values())
     assert {family_of(e.data_source) for e in evaluation} == set(FAMILIES)
 
 
@@ -72,7 +73,7 @@ def test_the_shipped_files_are_what_the_generator_writes():
         e.question for e in training_questions(len(read_examples(TRAIN)))
     ]
     trained = frozenset({c.question for c in read_conversations(SFT)} | {e.question for e in read_examples(TRAIN)})
-    assert read_examples(EVAL) == evaluation_questions(7, 24, trained)
+    assert read_examples(EVAL) == evaluation_questions(7, 25, 24, trained)
 
 
 @pytest.mark.slow

@@ -16,9 +16,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("data"), help="folder for the data files (default: data)")
     parser.add_argument("--traces", type=int, default=600, help="worked solutions in synthetic_sft.jsonl")
     parser.add_argument("--train", type=int, default=1024, help="questions in synthetic_train.jsonl")
-    parser.add_argument(
-        "--eval-per-family", type=int, default=7, help="evaluation questions per training family (in-family)"
-    )
+    parser.add_argument("--eval-per-sft-family", type=int, default=7, help="evaluation questions per sft family")
+    # 25 x the 4 rl families: the rl row group of the before/after table has 100 questions
+    parser.add_argument("--eval-per-rl-family", type=int, default=25, help="evaluation questions per rl family")
     parser.add_argument(
         "--eval-per-held-out-family", type=int, default=24, help="evaluation questions per held-out family"
     )
@@ -30,7 +30,9 @@ def main() -> None:
     training = training_questions(args.train)
     write_examples(training, args.out / "synthetic_train.jsonl")
     trained = frozenset([c.question for c in sft] + [e.question for e in training])
-    evaluation = evaluation_questions(args.eval_per_family, args.eval_per_held_out_family, trained)
+    evaluation = evaluation_questions(
+        args.eval_per_sft_family, args.eval_per_rl_family, args.eval_per_held_out_family, trained
+    )
     write_examples(evaluation, args.out / "synthetic_eval.jsonl")
     print(
         f"wrote {args.traces} worked solutions, {args.train} training and {len(evaluation)} evaluation questions "

@@ -3,8 +3,8 @@
   synthetic_sft.jsonl    worked solutions of the `sft` families (the cold start), whose code and output
                          come from the project's sandbox; a share first make a mistake and correct it
   synthetic_train.jsonl  RL questions: the `rl` families and new problems of the `sft` families
-  synthetic_eval.jsonl   held-out questions, never trained on: new problems of the training families
-                         ("in-family") and problems of the `held-out` families, which no training file has
+  synthetic_eval.jsonl   held-out questions, never trained on: new problems of the `sft` and `rl` families
+                         and problems of the `held-out` families, which no training file has
 
 `python -m retool synthetic` writes all three; every problem is a pure function of its seed.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Sequence
+from itertools import zip_longest
 from pathlib import Path
 
 from retool.data.examples import MathExample
@@ -34,22 +35,26 @@ def family_of(source: str) -> str | None:
 
 
 def generate_problems(
-    count: int, seed: int, families: Sequence[str], exclude: frozenset[str] = frozenset()
+    count: int, seed: int, families: Sequence[str], exclude: frozenset[str] = frozenset(), fill: bool = False
 ) -> list[tuple[str, Problem]]:
     """`count` (family, problem) pairs cycling through `families`, none with a question in `exclude` or
-    asked twice; the same seed gives the same problems."""
+    asked twice; the same seed gives the same problems. `fill`: a family out of new questions leaves the cycle and
+    the others make up the count (else it is an error)."""
     if not families:
         raise ValueError("generate_problems needs at least one family")
     rng = random.Random(seed)
-    seen, problems = set(exclude), []
-    for index in range(count):
-        family = families[index % len(families)]
+    seen, problems, cycle = set(exclude), [], list(families)
+    while len(problems) < count:
+        family = cycle[len(problems) % len(cycle)]
         for _ in range(1000):
             problem = FAMILIES[family][1](rng)
             if problem.question not in seen:
                 break
         else:
-            raise ValueError(f"family {family} has run out of new questions")
+            if not fill or len(cycle) == 1:
+                raise ValueError(f"family {family} has run out of new questions")
+            cycle.remove(family)
+            continue
         seen.add(problem.question)
         problems.append((family, problem))
     return problems
@@ -73,17 +78,20 @@ def training_questions(count: int) -> list[MathExample]:
 
 
 def evaluation_questions(
-    per_training_family: int, per_held_out_family: int, trained: frozenset[str] = frozenset()
+    per_sft_family: int, per_rl_family: int, per_held_out_family: int, trained: frozenset[str] = frozenset()
 ) -> list[MathExample]:
-    """Questions of every training family and of every held-out family, none of them in `trained` (the
-    training files' questions), alternating between the two kinds so that the file's first N questions
-    (`--limit N`) hold both."""
-    training_families, held_out_families = families_of("sft", "rl"), families_of("held-out")
-    in_family = generate_problems(per_training_family * len(training_families), EVAL_SEED, training_families, trained)
-    held_out = generate_problems(per_held_out_family * len(held_out_families), EVAL_SEED + 1, held_out_families)
-    order = [pair for both in zip(in_family, held_out) for pair in both]
-    shorter = min(len(in_family), len(held_out))
-    return examples_of(order + in_family[shorter:] + held_out[shorter:], "eval")
+    """New questions of every family, `per_..._family` of each of a role (a family with fewer new ones left, the
+    others of its role more), none of them in `trained` (the training files' questions), the three roles in turn
+    so that the file's first N questions (`--limit N`) hold each."""
+    roles = [
+        generate_problems(per_family * len(families_of(role)), EVAL_SEED + offset, families_of(role), trained, True)
+        for role, per_family, offset in (
+            ("sft", per_sft_family, 0),
+            ("rl", per_rl_family, 2),
+            ("held-out", per_held_out_family, 1),
+        )
+    ]
+    return examples_of([pair for turn in zip_longest(*roles) for pair in turn if pair is not None], "eval")
 
 
 def solution_traces(

@@ -8,7 +8,6 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from retool.rollout.state import STOP_REASONS
 
@@ -93,15 +92,23 @@ def paired_difference(before: pa.Table, after: pa.Table) -> tuple[float, float, 
     return mean, half_width, len(common)
 
 
-IN_FAMILY, HELD_OUT = "in-family", "held-out families"  # question groups of a before/after table
+# The question groups of a before/after table: the role of a question's family (its data_source) in the run's
+# training files.
+SFT_FAMILIES, RL_FAMILIES, HELD_OUT = "sft families", "rl families", "held-out families"
 
 
-def question_groups(trajectories: pa.Table, trained_sources: frozenset[str]) -> dict[str, pa.Table]:
-    """The evaluation's trajectories by kind of question: in-family (a data source some training file of
-    the run has) and held-out families (one no training file has); a kind without questions is left out."""
-    trained = pa.array([source in trained_sources for source in trajectories.column("data_source").to_pylist()])
-    groups = {IN_FAMILY: trajectories.filter(trained), HELD_OUT: trajectories.filter(pc.invert(trained))}
-    return {label: table for label, table in groups.items() if table.num_rows}
+def question_groups(
+    trajectories: pa.Table, cold_start_sources: frozenset[str], rl_sources: frozenset[str]
+) -> dict[str, pa.Table]:
+    """The evaluation's trajectories by the role of their family: sft families (the cold start's conversations
+    have it; RL may train on it too), rl families (only the RL data has it: what RL must learn by itself) and
+    held-out families (no training file has it); a group without questions is left out."""
+    roles = [
+        SFT_FAMILIES if source in cold_start_sources else RL_FAMILIES if source in rl_sources else HELD_OUT
+        for source in trajectories.column("data_source").to_pylist()
+    ]
+    groups = {label: trajectories.filter(pa.array([role == label for role in roles])) for label in set(roles)}
+    return {label: groups[label] for label in (SFT_FAMILIES, RL_FAMILIES, HELD_OUT) if label in groups}
 
 
 def _rate(mean: float, half_width: float) -> str:
