@@ -175,7 +175,7 @@ def test_a_report_of_step_n_draws_steps_up_to_n_and_names_each_checkpoint(two_st
     evaluation = report.split("## Evaluation")[1].split("## Worst")[0]
     assert "| base |" in evaluation and "step 1" not in evaluation  # the step-1 checkpoint is after step 0
     full = make_report(two_step_run.run_dir, tmp_path / "step1", step=1).read_text()
-    assert "| base |" in full and "| step 1 |" in full and "| all 260 |" in full  # every question of the data set asked
+    assert "| base |" in full and "| step 1 |" in full and "| all 332 |" in full  # every question of the data set asked
     assert "train_loss" not in full.split("## Training")[1].split("| step |")[1].split("\n")[0]
 
 
