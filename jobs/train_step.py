@@ -33,6 +33,7 @@ def train_step(
     observations: Sequence[Path],
     previous: Path | None,
     cold_start: Path | None,
+    sampled_by: Path | None,
     checkpoint: Path,
     metrics: Path,
     timings: Path,
@@ -40,7 +41,8 @@ def train_step(
     step: int,
 ) -> str:
     """`previous`: the step before's checkpoint, which the update starts from (None: step 0, from the RL base:
-    the cold start's checkpoint `cold_start`, or the model setting); `observations`: every round's, and
+    the cold start's checkpoint `cold_start`, or the model setting); `sampled_by`: the checkpoint of the older step
+    that sampled it, when it trains [rollout] max_staleness steps behind; `observations`: every round's, and
     `timings`: the rollout stages' wall times, for the metrics."""
     from retool.training.checkpoints import prune_checkpoints  # torch: only once a step trains
     from retool.training.resume import StepInputs
@@ -62,7 +64,7 @@ def train_step(
         out=checkpoint,
         config=run.trainer_on_device(),
         served_in="" if full_save else engine_dtype(run.sampler, run.run.device),
-        behaviour=older_policy(run, step, base),
+        behaviour=older_policy(run, step, sampled_by, base),
     )
     release_sampler_memory(run)  # the sampler sleeps while the step trains on the GPU
     if in_group:
@@ -77,13 +79,13 @@ def train_step(
     return f"{describe_metrics(training)}\n  {line}"
 
 
-def older_policy(run: RunSettings, step: int, base: Path) -> Path | None:
-    """The policy that sampled the step if older than the checkpoint it trains from ([rollout] max_staleness): that
-    checkpoint, or `base`; None: on-policy."""
-    sampled_by = policy_step(run, step)
-    if sampled_by == step - 1:
+def older_policy(run: RunSettings, step: int, sampled_by: Path | None, base: Path) -> Path | None:
+    """The policy that sampled the step if older than the checkpoint it trains from ([rollout] max_staleness): the
+    older step's checkpoint `sampled_by`, or `base`; None: on-policy."""
+    source = policy_step(run, step)
+    if source == step - 1:
         return None
-    return RunFolder(run.run_dir).step(sampled_by).checkpoint if sampled_by >= 0 else base
+    return sampled_by if source >= 0 else base
 
 
 def _train_here(inputs, device: str, hold_on: str) -> StepMetrics:

@@ -259,7 +259,20 @@ class TrainStep(RunTask):
         previous = {"previous": TrainStep(step=self.step - 1)} if self.step > 0 else {}  # step 0 starts from rl_base
         # Steps since the newest full save, which a resume replays from their datums (see retool/training/resume.py).
         replayed = [BuildDatums(step=s) for s in replayed_steps(self.step, self.settings.trainer.save_every)]
-        return {**step, "observations": observations, **previous, **self.rl_base(), "replayed": replayed}
+        return {
+            **step,
+            "observations": observations,
+            **previous,
+            **self.rl_base(),
+            **self.behaviour(),
+            "replayed": replayed,
+        }
+
+    def behaviour(self) -> dict[str, luigi.Task]:
+        """{"behaviour": the older step that sampled this one} when the step trains [rollout] max_staleness steps
+        behind: the sampler-gap check compares with its checkpoint (sampled by the RL base: `rl_base`, or none)."""
+        source = policy_step(self.settings, self.step)
+        return {"behaviour": TrainStep(step=source)} if 0 <= source < self.step - 1 else {}
 
     def output(self):
         """The checkpoint's marker and the step's metrics: a run killed between the two trains the
@@ -272,7 +285,7 @@ class TrainStep(RunTask):
         inputs, outputs = self.input(), self.output()
         self.summary = train_step(
             path(inputs["datums"]), path(inputs["trajectories"]), [path(t) for t in inputs["observations"]],
-            checkpoint_of(inputs, "previous"), checkpoint_of(inputs, "rl_base"),
+            checkpoint_of(inputs, "previous"), checkpoint_of(inputs, "rl_base"), checkpoint_of(inputs, "behaviour"),
             path(outputs["checkpoint"]).parent, path(outputs["metrics"]), self.folder.timings, self.settings, self.step,
         )  # fmt: skip
 

@@ -37,6 +37,13 @@ def test_with_a_lag_of_one_a_round_waits_for_the_step_two_before(configure):
     assert policies[0] is None and policies[1] is None  # the RL base (the model setting)
     assert policies[2] == TrainStep(step=0) and policies[3] == TrainStep(step=1)
     assert TrainStep(step=2) not in luigi.task.flatten(SampleRound(step=3, round=0).requires())
+    # A stale step names the checkpoint that sampled it, which its sampler-gap check reads (step 1's: the RL base).
+    assert [TrainStep(step=step).requires().get("behaviour") for step in range(4)] == [
+        None,
+        None,
+        TrainStep(step=0),
+        TrainStep(step=1),
+    ]
 
 
 def test_the_importance_weight_is_the_truncated_ratio_of_current_to_behaviour_policy(tiny_model_dir):
