@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from retool.config.settings import RunSettings
 from retool.evaluation.spec import EvalSpec, evaluation_settings
-from retool.files.tables import write_table_atomically
+from retool.files.tables import TRAJECTORIES, read_table, write_table_atomically
 from retool.rollout.stage_tables import describe_prompts, prompts_table
-from retool.run.shared import protocol_for, step_examples
+from retool.run.shared import protocol_for, step_draws
 
 
-def prompts(out: Path, run: RunSettings, step: int, evaluation: EvalSpec | None = None) -> str:
-    """The questions come from the run's training data (step `step`'s batch) or the evaluation's data file."""
+def prompts(
+    out: Path, run: RunSettings, step: int, evaluation: EvalSpec | None = None, history: Sequence[Path] = ()
+) -> str:
+    """The questions come from the run's training data (step `step`'s batch, or with [data] draw = frontier a draw
+    by the outcomes in `history`: earlier steps' trajectories.parquet) or the evaluation's data file."""
     protocol = protocol_for(evaluation_settings(run, evaluation).model)
-    table = prompts_table(step_examples(run, step, evaluation), protocol, step)
+    outcomes = [row for path in history for row in outcomes_of(path)]
+    table = prompts_table(step_draws(run, step, evaluation, outcomes), protocol, step)
     write_table_atomically(table, out)
     return describe_prompts(table)
+
+
+def outcomes_of(trajectories: Path) -> list[dict]:
+    """What the frontier draw reads of a step's trajectories: each one's question, family and correctness."""
+    return read_table(trajectories, TRAJECTORIES).select(["example_id", "data_source", "correct"]).to_pylist()

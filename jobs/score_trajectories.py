@@ -26,6 +26,9 @@ def score_trajectories(
     """`shards`: every round of every shard."""
     settings = evaluation_settings(run, evaluation)
     trajectories = replay_shards(prompts, shards, protocol_for(settings.model), settings.rollout)
-    table = scored_table(trajectories, step, policy_step(run, step, evaluation), settings.data.keep_limit)
+    table = scored_table(
+        trajectories, step, policy_step(run, step, evaluation), settings.data.keep_limit, settings.reward,
+        settings.rollout.max_trajectory_tokens,
+    )  # fmt: skip
     write_table_atomically(table, out)
     return describe_trajectories(table)

@@ -53,13 +53,13 @@ def train_step(
     in_group = run.run.train_processes > 1
     resident = in_group or multiprocessing.parent_process() is None
     full_save = not resident or saves_in_full(step, run.trainer.save_every)
-    kept = [row for row in read_table(trajectories, TRAJECTORIES).to_pylist() if row["kept"]]
+    kept = [row for row in read_table(trajectories, TRAJECTORIES).to_pylist() if row["kept"] and not row["masked"]]
     base = rl_base(cold_start, run.model.name)
     inputs = StepInputs(
         base_model=base,
         datums=datums,
         num_trajectories=len(kept),  # of the groups that train
-        zero_variance_groups=zero_variance_groups((row["question_index"], row["reward"]) for row in kept),
+        zero_variance_groups=zero_variance_groups((row["question_index"], trained_reward(row)) for row in kept),
         previous=previous,
         out=checkpoint,
         config=run.trainer_on_device(),
@@ -77,6 +77,11 @@ def train_step(
     prune_checkpoints([(s, folder.step(s).checkpoint) for s in range(step + 1)], run.run.keep_last, run.run.keep_every)
     line = write_metrics(trajectories, observations, timings, training, metrics, run, step)
     return f"{describe_metrics(training)}\n  {line}"
+
+
+def trained_reward(row: dict) -> float:
+    """The reward a trajectory's advantage was computed from (files written before shaping: correctness)."""
+    return row["reward"] if row["shaped_reward"] is None else row["shaped_reward"]
 
 
 def older_policy(run: RunSettings, step: int, sampled_by: Path | None, base: Path) -> Path | None:

@@ -25,7 +25,7 @@ from retool.evaluation.spec import EvalSpec, check_evaluated_checkpoint, evaluat
 from retool.files.layout import RoundPaths, RunFolder, StepFolder
 from retool.files.tables import parquet_seconds
 from retool.run.setup import open_run
-from retool.run.shared import policy_step
+from retool.run.shared import history_steps, policy_step
 from retool.weights.checkpoint import Checkpoint
 
 
@@ -165,11 +165,17 @@ class RolloutTask(RunTask):
 
 
 class Prompts(RolloutTask):
+    def requires(self):
+        """With [data] draw = frontier, the trajectories of the earlier steps its draw reads."""
+        steps = history_steps(self.settings, self.step) if self.evaluation is None else range(0)
+        return {"history": [ScoreTrajectories(step=step) for step in steps]}
+
     def output(self):
         return self.target(self.folder.prompts)
 
     def run(self):
-        self.summary = prompts(path(self.output()), self.settings, self.step, self.evaluation)
+        history = [path(target) for target in self.input()["history"]]
+        self.summary = prompts(path(self.output()), self.settings, self.step, self.evaluation, history)
 
 
 class SampleRound(RolloutTask):

@@ -4,6 +4,7 @@ it writes reads back."""
 from __future__ import annotations
 
 from retool.data.examples import MathExample
+from retool.data.frontier import Draw
 from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
 from retool.rollout.datums import Datum, datum_of, datum_row
 from retool.rollout.rows import (
@@ -38,7 +39,7 @@ def test_every_row_has_exactly_its_files_columns(hermes):
     trajectory = ended_trajectory()
     datum = Datum(0, 1, [1, 2, 3], [2, 3, 4], [0.0, -0.5, -0.25], [0.0, 0.5, 0.5], [False, True, True])
     rows = {
-        PROMPTS: prompt_row(0, 0, EXAMPLE, [1, 2]),
+        PROMPTS: prompt_row(0, 0, Draw(EXAMPLE, 0.25, 0.68, "question 1/4 right"), [1, 2]),
         SAMPLES: sample_row(0, 0, request, 1, sequence, "print(6 * 7)", -1),
         OBSERVATIONS: observation_row(trajectory, 0, 1),
         TRAJECTORIES: trajectory_row(trajectory, 0, -1),
@@ -55,7 +56,7 @@ def test_what_is_written_reads_back(hermes):
     row = sample_row(0, 0, request, 1, sequence, "print(6 * 7)", -1)
     assert sequence_of(row) == sequence
     assert turn_of(row) == AssistantTurn([1, 2], [3, 4], [-0.5, -0.25], "print(6 * 7)", "stop", 11)
-    assert example_of(prompt_row(0, 0, EXAMPLE, [1])) == EXAMPLE
+    assert example_of(prompt_row(0, 0, Draw(EXAMPLE, None, None, "the shuffled walk"), [1])) == EXAMPLE
     datum = Datum(0, 1, [1, 2, 3], [2, 3, 4], [0.0, -0.5, -0.25], [0.0, 0.5, 0.5], [False, True, True])
     assert datum_of(datum_row(datum, 0, -1)) == datum
     ended = ended_trajectory()

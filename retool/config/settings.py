@@ -11,12 +11,14 @@ from typing import Any, ClassVar
 
 from retool.config.checks import SettingsError, require
 from retool.config.cold_start import ColdStartConfig
+from retool.config.reward import RewardConfig
 from retool.config.rollout import RolloutConfig, seed_capacity
 from retool.config.sampler import SamplerConfig, engine_dtype
 from retool.config.sandbox import SandboxConfig
 from retool.config.trainer import TrainerConfig, resolved_autocast, resolved_dtype
 
 TRACKERS = ("none", "tensorboard", "wandb", "mlflow")  # see retool.evaluation.tracking
+DRAWS = ("shuffled", "frontier")  # how a step's questions are chosen ([data] draw)
 DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct, built from a PyPI wheel
 
 
@@ -69,9 +71,18 @@ class DataConfig:
     # Dynamic sampling (DAPO) when set: questions rolled out per step, of which only groups whose answers differ
     # in correctness train, the first questions_per_step of them. 0 = off: questions_per_step are drawn, all kept.
     questions_drawn: int = 0
+    # How a step's questions are chosen: shuffled (the next batch of a walk through the shuffled data) | frontier
+    # (drawn by the pass rates earlier steps' trajectories show, favouring groups likely to disagree; see
+    # retool/data/frontier.py). The draw and its reason are in prompts.parquet.
+    draw: str = "shuffled"
+    frontier_steps: int = 8  # frontier: the earlier steps whose trajectories it reads (the newest finished ones)
+    frontier_floor: float = 0.05  # frontier: the least draw weight, so no question is never drawn again
 
     def __post_init__(self) -> None:
         require(self, "questions_per_step", self.questions_per_step > 0, "positive")
+        require(self, "draw", self.draw in DRAWS, f"one of {', '.join(DRAWS)}")
+        require(self, "frontier_steps", self.frontier_steps > 0, "positive")
+        require(self, "frontier_floor", 0 < self.frontier_floor <= 1, "in (0, 1]")
         drawn = not self.questions_drawn or self.questions_drawn >= self.questions_per_step
         at_least = f"0 (off) or at least questions_per_step = {self.questions_per_step}: dynamic sampling draws them"
         require(self, "questions_drawn", drawn, at_least)
@@ -93,6 +104,7 @@ class RunSettings:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

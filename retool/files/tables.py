@@ -25,6 +25,9 @@ PROMPTS = pa.schema(
         ("answer", pa.string()),  # reference answer
         ("data_source", pa.string()),
         ("prompt_tokens", TOKENS),  # P(1), rendered by the chat template
+        ("pass_rate", pa.float32()),  # [data] draw = frontier: the estimate it was drawn by; null otherwise
+        ("draw_weight", pa.float32()),  # frontier: its draw weight (the chance its group disagrees, floored)
+        ("draw_reason", pa.string()),  # how it was chosen: the shuffled walk, or the outcomes its estimate rests on
     ]
 )
 
@@ -81,9 +84,11 @@ TRAJECTORIES = pa.schema(
         ("extracted_answer", pa.string()),  # last \boxed{} content, null if none
         ("valid_format", pa.bool_()),
         ("correct", pa.bool_()),
-        ("reward", pa.float32()),
-        ("advantage", pa.float32()),  # reward minus the question group's mean
+        ("reward", pa.float32()),  # correctness: +1 right, -1 otherwise
+        ("shaped_reward", pa.float32()),  # what the advantage is computed from: reward with [reward]'s terms
+        ("advantage", pa.float32()),  # shaped reward minus the question group's mean
         ("kept", pa.bool_()),  # its group trains this step (dynamic sampling keeps groups of mixed correctness)
+        ("masked", pa.bool_()),  # left out of the loss: stopped by a budget, with [reward] overlong = mask
         ("trajectory_tokens", pa.int32()),  # length of the whole token sequence
         ("sampled_tokens", pa.int32()),  # how many of those the model sampled (the actions)
         ("policy_step", pa.int32()),  # the checkpoint that sampled it: its RL step (-1: the RL base)
@@ -106,7 +111,8 @@ DATUMS = pa.schema(
 )
 
 
-ADDED_LATER = {"policy_step"}  # columns that files written before them lack: read as nulls (not recorded)
+# Columns that files written before them lack: read as nulls (not recorded).
+ADDED_LATER = {"policy_step", "pass_rate", "draw_weight", "draw_reason", "shaped_reward", "masked"}
 
 
 class TableError(ValueError):

@@ -5,6 +5,7 @@ retool/files/tables.py (tests/test_rows.py holds each mapping to its schema, col
 from __future__ import annotations
 
 from retool.data.examples import MathExample
+from retool.data.frontier import Draw
 from retool.protocol.chat import ChatProtocol
 from retool.rollout.datums import trajectory_sequence
 from retool.rollout.state import AssistantTurn, ToolCall, Trajectory
@@ -13,7 +14,8 @@ from retool.sampling.contract import SampledSequence, SampleRequest
 # prompts.parquet: one question of the step and its first model input
 
 
-def prompt_row(step: int, question_index: int, example: MathExample, prompt_tokens: list[int]) -> dict:
+def prompt_row(step: int, question_index: int, draw: Draw, prompt_tokens: list[int]) -> dict:
+    example = draw.example
     return {
         "step": step,
         "question_index": question_index,
@@ -22,6 +24,9 @@ def prompt_row(step: int, question_index: int, example: MathExample, prompt_toke
         "answer": example.answer,
         "data_source": example.data_source,
         "prompt_tokens": prompt_tokens,
+        "pass_rate": draw.pass_rate,
+        "draw_weight": draw.weight,
+        "draw_reason": draw.reason,
     }
 
 
@@ -127,15 +132,17 @@ def trajectory_row(trajectory: Trajectory, step: int, policy_step: int) -> dict:
         "answer": trajectory.example.answer,
         "num_turns": len(trajectory.turns),
         "code_calls": trajectory.code_calls,
-        "code_calls_ok": sum(t.tool_call is not None and t.tool_call.status == "ok" for t in trajectory.turns),
+        "code_calls_ok": trajectory.valid_code_calls(),
         "stop_reason": trajectory.stop_reason,
         "final_text": trajectory.final_text,
         "extracted_answer": trajectory.extracted_answer,
         "valid_format": trajectory.valid_format,
         "correct": trajectory.correct,
         "reward": trajectory.reward,
+        "shaped_reward": trajectory.shaped_reward,
         "advantage": trajectory.advantage,
         "kept": trajectory.kept,
+        "masked": trajectory.masked,
         "trajectory_tokens": len(sequence.tokens),
         "sampled_tokens": sum(sequence.is_action),
         "policy_step": policy_step,
@@ -143,8 +150,9 @@ def trajectory_row(trajectory: Trajectory, step: int, policy_step: int) -> dict:
 
 
 def restore_score(trajectory: Trajectory, row: dict) -> None:
-    """What the datums need of a trajectory's score: its advantage and whether its group trains."""
-    trajectory.advantage, trajectory.kept = row["advantage"], row["kept"]
+    """What the datums need of a trajectory's score: its advantage, whether its group trains and whether the loss
+    leaves it out."""
+    trajectory.advantage, trajectory.kept, trajectory.masked = row["advantage"], row["kept"], bool(row["masked"])
 
 
 # datums.parquet: one trajectory as the trainer's token rows

@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
+from retool.config.reward import RewardConfig
 from retool.data.reward import score_answer
 
 if TYPE_CHECKING:
@@ -23,9 +24,29 @@ def score_trajectory(trajectory: Trajectory) -> None:
     )
 
 
+ENDED_BY_THE_MODEL = ("answer", "invalid")  # stop reasons of a trajectory that no budget stopped
+
+
+def shaped_reward(trajectory: Trajectory, reward: RewardConfig, max_tokens: int) -> float:
+    """The reward the advantage is computed from: correctness (+1 / -1) with the [reward] section's terms."""
+    shaped = trajectory.reward
+    if not trajectory.correct and reward.wrong_answer_call_credit:
+        # verl's ReTool recipe: a wrong answer that tried the tool scores a little above -1, at most the cap
+        shaped = min(reward.wrong_answer_cap, shaped + reward.wrong_answer_call_credit * trajectory.code_calls)
+    shaped += reward.valid_call_bonus * trajectory.valid_code_calls()
+    if reward.overlong == "penalty":
+        shaped += overlong_penalty(len(trajectory.token_ids()), max_tokens, reward.overlong_buffer_tokens)
+    return shaped
+
+
+def overlong_penalty(tokens: int, budget: int, buffer: int) -> float:
+    """DAPO's soft overlong punishment: 0 up to `buffer` tokens before the budget, then down linearly to -1 at it."""
+    return -min(max(tokens - (budget - buffer), 0) / buffer, 1.0)
+
+
 def assign_group_advantages(trajectories: Sequence[Trajectory]) -> None:
-    """A = R - mean(R of the same question in this step). Every reward must already be set."""
-    unscored = [t for t in trajectories if t.reward is None]
+    """A = R - mean(R of the same question in this step), R the shaped reward. Every reward must already be set."""
+    unscored = [t for t in trajectories if t.shaped_reward is None]
     if unscored:
         raise ValueError(
             f"{len(unscored)} trajectories have no reward yet; score every trajectory before computing advantages"
@@ -34,9 +55,9 @@ def assign_group_advantages(trajectories: Sequence[Trajectory]) -> None:
     for trajectory in trajectories:
         groups[trajectory.question_index].append(trajectory)
     for group in groups.values():
-        mean = sum(t.reward for t in group) / len(group)
+        mean = sum(t.shaped_reward for t in group) / len(group)
         for trajectory in group:
-            trajectory.advantage = trajectory.reward - mean
+            trajectory.advantage = trajectory.shaped_reward - mean
 
 
 def keep_groups(trajectories: Sequence[Trajectory], limit: int | None) -> None:
@@ -56,12 +77,21 @@ def keep_groups(trajectories: Sequence[Trajectory], limit: int | None) -> None:
             trajectory.kept = keep
 
 
-def end_step(trajectories: Sequence[Trajectory], keep_limit: int | None = None) -> list[Trajectory]:
-    """Once every trajectory has ended: every reward first, then advantages within each question's group, then
-    which groups train (with a `keep_limit`, dynamic sampling). Returns them in (question, branch) order."""
+def end_step(
+    trajectories: Sequence[Trajectory],
+    keep_limit: int | None = None,
+    reward: RewardConfig = RewardConfig(),
+    max_tokens: int = 0,
+) -> list[Trajectory]:
+    """Once every trajectory has ended: every reward first (shaped by `reward`; `max_tokens`: the trajectory budget
+    its overlong penalty counts from), then advantages within each question's group, then which groups train
+    (with a `keep_limit`, dynamic sampling) and which trajectories the loss leaves out ([reward] overlong = mask).
+    Returns them in (question, branch) order."""
     ordered = sorted(trajectories, key=lambda t: (t.question_index, t.group_index))
     for trajectory in ordered:
         score_trajectory(trajectory)
+        trajectory.shaped_reward = shaped_reward(trajectory, reward, max_tokens)
+        trajectory.masked = reward.overlong == "mask" and trajectory.stop_reason not in ENDED_BY_THE_MODEL
     assign_group_advantages(ordered)
     keep_groups(ordered, keep_limit)
     return ordered

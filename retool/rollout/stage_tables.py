@@ -8,8 +8,9 @@ from collections.abc import Callable, Sequence
 
 import pyarrow as pa
 
+from retool.config.reward import RewardConfig
 from retool.config.rollout import RolloutConfig
-from retool.data.examples import MathExample
+from retool.data.frontier import Draw
 from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
 from retool.protocol.chat import ChatProtocol
 from retool.rollout.datums import build_datums, datum_row
@@ -34,10 +35,10 @@ from retool.rollout.state import (
 from retool.sampling.contract import SampledSequence, Sampler, SampleRequest, sample_checked
 
 
-def prompts_table(examples: Sequence[MathExample], protocol: ChatProtocol, step: int) -> pa.Table:
+def prompts_table(draws: Sequence[Draw], protocol: ChatProtocol, step: int) -> pa.Table:
     rows = [
-        prompt_row(step, index, example, protocol.build_prompt(protocol.initial_messages(example.question)))
-        for index, example in enumerate(examples)
+        prompt_row(step, index, draw, protocol.build_prompt(protocol.initial_messages(draw.example.question)))
+        for index, draw in enumerate(draws)
     ]
     return table_from_rows(rows, PROMPTS)
 
@@ -109,7 +110,12 @@ def observations_table(
 
 
 def scored_table(
-    trajectories: Sequence[Trajectory], step: int, policy_step: int, keep_limit: int | None = None
+    trajectories: Sequence[Trajectory],
+    step: int,
+    policy_step: int,
+    keep_limit: int | None = None,
+    reward: RewardConfig = RewardConfig(),
+    max_tokens: int = 0,
 ) -> pa.Table:
     """ScoreTrajectories: the end of the step (`end_step`) once the last round's files say every trajectory
     has ended."""
@@ -118,7 +124,7 @@ def scored_table(
         raise StaleInputError(
             f"{len(live)} trajectories are still live after the last round; the round files are incomplete"
         )
-    return trajectories_table(end_step(trajectories, keep_limit), step, policy_step)
+    return trajectories_table(end_step(trajectories, keep_limit, reward, max_tokens), step, policy_step)
 
 
 def trajectories_table(trajectories: Sequence[Trajectory], step: int, policy_step: int) -> pa.Table:
@@ -128,12 +134,14 @@ def trajectories_table(trajectories: Sequence[Trajectory], step: int, policy_ste
 def datums_table(
     trajectories: Sequence[Trajectory], scored: pa.Table, step: int, policy_step: int, trainer_max_tokens: int
 ) -> pa.Table:
-    """BuildDatums: the replayed trajectories of the groups ScoreTrajectories kept, with the advantages it
-    assigned."""
+    """BuildDatums: the replayed trajectories of the groups ScoreTrajectories kept (but those it masked), with the
+    advantages it assigned."""
     rows = {(row["question_index"], row["group_index"]): row for row in scored.to_pylist()}
     for trajectory in trajectories:
         restore_score(trajectory, rows[(trajectory.question_index, trajectory.group_index)])
-    ordered = sorted((t for t in trajectories if t.kept), key=lambda t: (t.question_index, t.group_index))
+    ordered = sorted(
+        (t for t in trajectories if t.kept and not t.masked), key=lambda t: (t.question_index, t.group_index)
+    )
     rows = [datum_row(datum, step, policy_step) for datum in build_datums(ordered, trainer_max_tokens)]
     return table_from_rows(rows, DATUMS)
 

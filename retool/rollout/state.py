@@ -76,14 +76,20 @@ class Trajectory:
     valid_format: bool = False
     correct: bool = False
     extracted_answer: str | None = None
-    advantage: float | None = None  # reward minus the group's mean reward
+    shaped_reward: float | None = None  # the reward the advantage is computed from: `reward` with [reward]'s terms
+    advantage: float | None = None  # shaped reward minus the group's mean shaped reward
     kept: bool = True  # its group trains this step (see keep_groups)
+    masked: bool = False  # left out of the loss: stopped by a budget, with [reward] overlong = mask
 
     def end(self, stop_reason: str, final_text: str | None = None) -> None:
         """Ends the trajectory; without an explicit text the last assistant text is scored."""
         assert stop_reason in STOP_REASONS, stop_reason
         self.done, self.stop_reason, self.next_prompt_tokens = True, stop_reason, None
         self.final_text = final_text if final_text is not None else (self.turns[-1].text if self.turns else "")
+
+    def valid_code_calls(self) -> int:
+        """Code calls that ran without an error or a timeout."""
+        return sum(turn.tool_call is not None and turn.tool_call.status == "ok" for turn in self.turns)
 
     def token_ids(self) -> list[int]:
         """The whole sequence: the last prompt plus the last completion."""

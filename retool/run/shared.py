@@ -11,6 +11,7 @@ from retool.config.rollout import behaviour_step
 from retool.config.sandbox import SandboxConfig
 from retool.config.settings import ModelConfig, RunSettings
 from retool.data.examples import MathExample, shuffled, take_batch
+from retool.data.frontier import Draw, frontier_draw
 from retool.evaluation.spec import EvalSpec, _examples, evaluation_settings
 from retool.files.layout import RoundPaths, RunFolder
 from retool.protocol.chat import ChatProtocol, load_tokenizer
@@ -51,6 +52,29 @@ def step_examples(settings: RunSettings, step: int, evaluation: EvalSpec | None)
         return evaluation.examples()
     data = settings.data
     return take_batch(shuffled(_examples(data.train), data.seed), step, data.questions_rolled_out)
+
+
+def history_steps(settings: RunSettings, step: int) -> range:
+    """The earlier steps whose trajectories a frontier draw of step `step` reads: the newest [data] frontier_steps
+    of those finished before its sampling may start (up to the one whose checkpoint samples it); none otherwise."""
+    if settings.data.draw != "frontier":
+        return range(0)
+    newest = policy_step(settings, step)
+    return range(max(newest + 1 - settings.data.frontier_steps, 0), newest + 1)
+
+
+def step_draws(
+    settings: RunSettings, step: int, evaluation: EvalSpec | None, history: Sequence[dict] = ()
+) -> list[Draw]:
+    """The questions a step rolls out and why: by [data] draw, the frontier draw once there are earlier steps'
+    outcomes (`history`: rows of their trajectories), else the shuffled walk; an evaluation's data set in order."""
+    data = settings.data
+    if evaluation is None and data.draw == "frontier" and history:
+        pool = shuffled(_examples(data.train), data.seed)
+        count, group = data.questions_rolled_out, settings.rollout.group_size
+        return frontier_draw(pool, history, count, group, data.frontier_floor, (data.seed, step))
+    reason = "the evaluation's data set" if evaluation is not None else "the shuffled walk"
+    return [Draw(example, None, None, reason) for example in step_examples(settings, step, evaluation)]
 
 
 def replayed_shard(
