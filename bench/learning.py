@@ -85,6 +85,7 @@ def bench_learning(
     rows += _stage_seconds(settings.run_dir)
     for row in metrics.iter_rows(named=True):
         rows.append((f"RL step {row['step']}", _step_line(row)))
+    rows.append(("zero-variance groups, mean of the steps", f"{metrics['zero_variance_group_rate'].mean():.3f}"))
     if against is not None:
         final = Evaluate(step=steps - 1, n=samples).folder.path
         rows += _paired_against(final, against / final.relative_to(settings.run_dir))
@@ -113,7 +114,8 @@ def _typed(settings, sections: dict[str, dict[str, str]]) -> dict[str, dict]:
 def _step_line(row: dict) -> str:
     return (
         f"reward {row['reward_mean']:+.3f}, correct {row['correct']:.3f}, format {row['format']:.3f}, correct of "
-        f"valid {row['valid_accuracy']:.3f}, groups kept {row['groups_kept']}/{row['groups_drawn']}, "
+        f"valid {row['valid_accuracy']:.3f}, groups kept {row['groups_kept']}/{row['groups_drawn']}, zero-variance "
+        f"{row['zero_variance_group_rate']:.2f}, "
         f"{row['train_updates']} updates, entropy {row['train_entropy']:.3f}, KL k1 {row['train_kl_k1']:.1e} k3 "
         f"{row['train_kl_k3']:.1e}, clipped {row['train_clip_fraction']:.3f}, sampled tokens "
         f"{row['sampled_tokens_correct']:.0f}/{row['sampled_tokens_wrong']:.0f} (correct/wrong), sampler gap "

@@ -9,6 +9,7 @@ from functools import lru_cache
 
 import luigi
 import luigi.cmdline_parser
+import luigi.task_register
 
 from retool.config.settings import RunSettings, SettingsError, setting_fields
 from retool.evaluation.spec import EvalSpec
@@ -44,11 +45,30 @@ def current_settings() -> RunSettings:
     sections = tuple(  # raw: no interpolation, much faster
         tuple(sorted(parser.items(name, raw=True))) if parser.has_section(name) else () for name in SECTIONS
     )
-    return _settings(sections, id(luigi.cmdline_parser.CmdlineParser.get_instance()))
+    return _settings(sections, tuple(parser.sections()), id(luigi.cmdline_parser.CmdlineParser.get_instance()))
+
+
+# Sections Luigi and its contrib modules read from the config files without a Config class (luigi's docs,
+# "Configuration"); the others are the registered Config and Task classes' own.
+LUIGI_SECTIONS = (
+    "logging", "resources", "task_history", "batch_notifier", "elasticsearch", "hadoop", "hdfs", "hive",
+    "kubernetes", "mysql", "postgres", "redshift", "scalding", "spark", "webhdfs", "datadog", "bigquery", "ecs",
+)  # fmt: skip
+
+
+def check_sections(present: tuple[str, ...]) -> None:
+    """A misspelt section ([rollouts]) would be ignored, its settings left at their defaults: refused instead."""
+    known = set(luigi.task_register.Register._get_reg()) | set(LUIGI_SECTIONS) | set(SECTIONS)
+    for name in present:
+        if name not in known:
+            match = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean [{match[0]}]?" if match else f"; the settings' sections are {', '.join(SECTIONS)}"
+            raise SettingsError(f"unknown section [{name}] in the config files{hint}")
 
 
 @lru_cache(maxsize=8)
-def _settings(sections: tuple, command_line: int) -> RunSettings:
+def _settings(sections: tuple, present: tuple[str, ...], command_line: int) -> RunSettings:
+    check_sections(present)
     for name, items in zip(SECTIONS, sections, strict=True):
         known = [f.name for f in setting_fields(name, SECTIONS[name][0])]
         for key in sorted({key for key, _ in items} - set(known)):

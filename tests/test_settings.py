@@ -51,6 +51,31 @@ def test_a_misspelt_setting_is_refused_with_the_section_s_settings(configure):
         config.remove_option("rollout", "grop_size")
 
 
+def test_a_misspelt_section_is_refused_with_the_closest_one(configure):
+    import luigi
+
+    from pipeline.config import current_settings
+
+    configure("section-typo")
+    config = luigi.configuration.get_config()
+    config.add_section("rollouts")
+    config.set("rollouts", "group_size", "4")
+    try:
+        with pytest.raises(
+            SettingsError, match=r"unknown section \[rollouts\] in the config files; did you mean \[rollout\]\?"
+        ):
+            current_settings()
+    finally:
+        config.remove_section("rollouts")
+    config.add_section("TrainStep")  # a task's own section, and Luigi's, are known
+    config.add_section("logging")
+    try:
+        current_settings()
+    finally:
+        config.remove_section("TrainStep")
+        config.remove_section("logging")
+
+
 def test_a_section_setting_on_the_command_line_reaches_its_use(tmp_path):
     probe = (
         "import luigi.cmdline_parser as c, pipeline\n"

@@ -151,7 +151,9 @@ def datums_table(
 
 def describe_prompts(prompts: pa.Table) -> str:
     tokens = sum(len(t) for t in prompts.column("prompt_tokens").to_pylist())
-    return f"{prompts.num_rows} questions, {tokens} prompt tokens"
+    rates = [rate for rate in prompts.column("pass_rate").to_pylist() if rate is not None]
+    drawn = f", drawn at estimated pass rates {min(rates):.2f} to {max(rates):.2f}" if rates else ""
+    return f"{prompts.num_rows} questions, {tokens} prompt tokens{drawn}"
 
 
 def describe_samples(samples: pa.Table) -> str:
