@@ -14,11 +14,7 @@ import re
 import luigi.cmdline_parser
 from luigi.rpc import RPCError
 
-from retool.config.settings import SettingsError
-from retool.data.examples import DataError
-from retool.protocol.chat import TemplateError
-
-INPUT_ERRORS = (SettingsError, DataError, TemplateError)
+from pipeline.outcome import INPUT_ERRORS, note_input_error
 
 
 class InputErrorsAsOneLine(logging.Filter):
@@ -27,6 +23,7 @@ class InputErrorsAsOneLine(logging.Filter):
         if os.environ.get("RETOOL_DEBUG") or error is None:
             return True
         if isinstance(error, INPUT_ERRORS):
+            note_input_error(error)
             record.msg, record.args, record.exc_info, record.exc_text = str(error), (), None, None
         elif isinstance(error, RPCError):
             record.msg, record.args, record.exc_info, record.exc_text = unreachable(error), (), None, None

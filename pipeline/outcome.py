@@ -8,16 +8,25 @@ import atexit
 import logging
 import os
 import sys
+from pathlib import Path
 
 import luigi
 import luigi.cmdline_parser
 import luigi.retcodes
+
+from retool.config.settings import SettingsError
+from retool.data.examples import DataError
+from retool.protocol.chat import TemplateError
+
+INPUT_ERRORS = (SettingsError, DataError, TemplateError)  # bad input: a setting, a data file, a chat template
+INPUT_ERROR_EXIT = 2  # the exit code of a command refused for its input, as argparse's for a bad option
 
 _failures: list[str] = []  # "Task(...): error", in the order this process saw them
 _command: dict = {}  # the task the command line names, as it was when it was made
 _running: list[str] = []  # the tasks this process has started and not yet finished, by label
 _finished: list[str] = []  # the tasks this process has finished, by label
 _interrupted: list[str] = []  # the signal that stopped the command (Ctrl-C: SIGINT), once it has
+_input_errors: list[str] = []  # input errors the luigi command met (building its tasks, or in one's run)
 
 
 def note_start(task: luigi.Task) -> None:
@@ -33,6 +42,16 @@ def note_end(task: luigi.Task, finished: bool) -> None:
 
 def note_failure(task: luigi.Task, error: Exception) -> None:
     _failures.append(f"{task.task_family}: {error}")
+    if isinstance(error, INPUT_ERRORS):
+        note_input_error(error)
+
+
+def note_input_error(error: Exception) -> None:
+    """An input error of the luigi command (`luigi` or `python -m luigi`, not a test calling luigi.build): its exit
+    code is INPUT_ERROR_EXIT."""
+    main = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    if main.name == "luigi" or main.parts[-2:] == ("luigi", "__main__.py"):
+        _input_errors.append(str(error))
 
 
 def interrupted_line(name: str) -> str:
@@ -112,7 +131,12 @@ def failed_in_the_scheduler(scheduler: str, task_id: str) -> list[str]:
 def _finish() -> None:
     """The command's last line, and an exit code that tells the truth: 0 when the target is complete, whoever
     ran its tasks (Luigi's own code counts what this process saw: another node's work reads as "already
-    running" or "not run"); [retcode] task_failed when a task it needs failed here or on another node."""
+    running" or "not run"); [retcode] task_failed when a task it needs failed here or on another node;
+    INPUT_ERROR_EXIT when the command was refused for its input (Luigi would say unhandled_exception)."""
+    if _input_errors and not (_command and all(target.exists() for target in _command["outputs"])):
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(INPUT_ERROR_EXIT)
     if not _command:
         return
     if _interrupted:

@@ -23,7 +23,7 @@ def main() -> None:
         sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
     command = sys.argv.pop(1)
     try:
-        importlib.import_module(f"retool.cli.{COMMANDS[command][0]}").main()
+        sys.exit(importlib.import_module(f"retool.cli.{COMMANDS[command][0]}").main())  # the command's exit code
     except KeyboardInterrupt:
         if os.environ.get("RETOOL_DEBUG"):
             raise

@@ -178,6 +178,9 @@ def test_command_line_prints_the_observation(tmp_path):
         [sys.executable, "-m", "retool", "sandbox", str(script), "--json"], capture_output=True, text=True, check=True
     )
     assert json.loads(as_json.stdout)["status"] == "ok"
+    script.write_text("1 / 0")  # an error: exit 1, as --help says
+    failed = subprocess.run([sys.executable, "-m", "retool", "sandbox", str(script)], capture_output=True, text=True)
+    assert failed.returncode == 1 and "ZeroDivisionError" in failed.stdout
 
 
 def test_command_line_cuts_the_message_to_the_tokens_the_model_would_see(tmp_path, tiny_model_dir):
