@@ -22,12 +22,15 @@ _PARAMETER_TYPES = {
 }
 
 
+def _parameter(default):
+    """A setting's Luigi parameter; a boolean takes its value (`--model-use-tools false`), not a bare flag."""
+    if isinstance(default, bool):
+        return luigi.BoolParameter(default=default, parsing=luigi.BoolParameter.EXPLICIT_PARSING)
+    return _PARAMETER_TYPES[type(default)](default=default)
+
+
 def _section_class(section: str, config: type) -> type:
-    parameters = {
-        f.name: _PARAMETER_TYPES[type(f.default)](default=f.default)
-        for f in setting_fields(section, config)
-        if f.default is not MISSING
-    }
+    parameters = {f.name: _parameter(f.default) for f in setting_fields(section, config) if f.default is not MISSING}
     return type(section, (luigi.Config,), {"__module__": __name__, **parameters})
 
 
@@ -103,6 +106,19 @@ def _unparsable(section: str, error: ValueError) -> SettingsError:
     if given is None:
         given = luigi.configuration.get_config().get(section, name, None)
     return SettingsError(f"setting [{section}] {name} = {given!r}: must be {KINDS.get(type(parameter), 'valid')}")
+
+
+class Choice(luigi.ChoiceParameter):
+    """A task option of a few values; a value that is none of them is an input error of one line naming them all."""
+
+    def __init__(self, option: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.option = option  # as the command line spells it, --eval-mode
+
+    def normalize(self, value):
+        if value not in self._choices:
+            raise SettingsError(f"{self.option} {value!r}: must be one of {', '.join(sorted(self._choices))}")
+        return value
 
 
 class EvalSpecParameter(luigi.Parameter):

@@ -9,6 +9,7 @@ import luigi
 from jobs.before_after import before_after
 from jobs.evaluate import evaluate
 from jobs.report import report
+from pipeline.config import Choice
 from pipeline.tasks import RunTask, ScoreTrajectories, TrainStep, path
 from retool.evaluation.scores import EVAL_MODES
 from retool.evaluation.spec import EvalSpec
@@ -21,7 +22,7 @@ class EvaluationTask(RunTask):
     dataset = luigi.Parameter(default="data/synthetic_eval.jsonl", description="evaluation data file")
     n = luigi.IntParameter(default=4, description="samples per question")
     # Not `mode`: Luigi's first pass over the command line would read --mode as an abbreviation of --model-*.
-    eval_mode = luigi.ChoiceParameter(choices=EVAL_MODES, default="retool", description="retool, or text-only: no tool")
+    eval_mode = Choice("--eval-mode", choices=EVAL_MODES, default="retool", description="retool, or text-only: no tool")
     sft = luigi.BoolParameter(
         default=False, description="with --step -1: evaluate the cold-start checkpoint, not the base model"
     )

@@ -194,6 +194,7 @@ def test_no_task_option_is_an_abbreviation_of_a_setting():
         (["--trainer-learning-rate", "-1"], "setting [trainer] learning_rate = -1.0: must be > 0"),
         (["--rollout-top-p", "2"], "setting [rollout] top_p = 2.0: must be in (0, 1]"),
         (["--rollout-group-sise", "4"], "--rollout-group-sise: did you mean --rollout-group-size?"),
+        (["--model-use-tools", "maybe"], "setting [model] use_tools = 'maybe': must be true or false"),
     ],
 )
 def test_a_bad_setting_on_the_command_line_is_one_line_naming_it(arguments, line, tmp_path):
@@ -201,6 +202,13 @@ def test_a_bad_setting_on_the_command_line_is_one_line_naming_it(arguments, line
     output = result.stdout + result.stderr
     assert result.returncode == 2 and line in output, output[-2000:]  # bad input: 2, not a crash's code
     assert "Traceback" not in output and max(map(len, output.splitlines())) < 300
+
+
+def test_a_bad_choice_of_a_task_option_is_one_line_with_every_choice(tmp_path):
+    result = run_cli("Evaluate", "--step", "0", "--eval-mode", "textonly", "--run-runs-dir", str(tmp_path))
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "--eval-mode 'textonly': must be one of retool, text-only" in output, output
+    assert "Traceback" not in output
 
 
 @pytest.mark.parametrize(

@@ -81,12 +81,14 @@ def test_a_section_setting_on_the_command_line_reaches_its_use(tmp_path):
         "import luigi.cmdline_parser as c, pipeline\n"
         "from pipeline.config import current_settings\n"
         "with c.CmdlineParser.global_instance(['Prompts', '--step', '0', '--rollout-group-size', '5',"
-        " '--cold-start-steps', '3']):\n"
+        " '--cold-start-steps', '3', '--model-use-tools', 'false']):\n"
         "    s = current_settings()\n"
-        "    print(s.rollout.group_size, s.cold_start.steps, s.run.device)\n"
+        "    print(s.rollout.group_size, s.cold_start.steps, s.run.device, s.model.use_tools)\n"
+        "with c.CmdlineParser.global_instance(['Prompts', '--step', '0', '--sampler-sleep-while-training', 'true']):\n"
+        "    print(current_settings().sampler.sleep_while_training)\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.stdout.split() == ["5", "3", "cuda"], result.stderr[-2000:]
+    assert result.stdout.split() == ["5", "3", "cuda", "False", "True"], result.stderr[-2000:]
 
 
 def test_config_json_nests_by_section_and_refuses_other_settings_once_a_stage_has_finished(tmp_path):
