@@ -39,9 +39,10 @@ def reuse_cold_start(earlier: Path, run: Path) -> None:
     if not (earlier / "sft" / "checkpoint" / "_SUCCESS").exists():
         raise SystemExit(f"--reuse {earlier}: no finished cold start there")
     shutil.copytree(earlier / "sft", run / "sft", dirs_exist_ok=True)
-    for folder in earlier.glob("eval/*/*/step=base"), earlier.glob("eval/*/*/step=sft"):
-        for evaluation in folder:
-            shutil.copytree(evaluation, run / evaluation.relative_to(earlier), dirs_exist_ok=True)
+    for label in ("base", "sft"):  # under checkpoint=<label>, or step=<label> in runs made before
+        for evaluation in [*earlier.glob(f"eval/*/*/checkpoint={label}"), *earlier.glob(f"eval/*/*/step={label}")]:
+            copy = run / evaluation.parent.relative_to(earlier) / f"checkpoint={label}"
+            shutil.copytree(evaluation, copy, dirs_exist_ok=True)
 
 
 def bench_learning(

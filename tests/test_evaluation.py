@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import luigi
 import pyarrow as pa
 import pytest
@@ -12,6 +14,7 @@ from retool.evaluation.scores import mean_ci, pass_at_k, summarize_eval
 from retool.files.tables import TRAJECTORIES, table_from_rows
 from retool.run.shared import protocol_for
 from retool.sampling.scripted import ScriptedSampler
+from tests.conftest import REPO
 from tests.helpers import scripted, tool_call_text
 
 
@@ -114,5 +117,26 @@ def test_evaluate_on_the_tiny_model(configure, monkeypatch, tmp_path, mode):
 
 
 def folder_of(settings, mode):
-    (folder,) = settings.run_dir.glob(f"eval/aime_like-*/{mode}-n3/step=base")
+    (folder,) = settings.run_dir.glob(f"eval/aime_like-*/{mode}-n3/checkpoint=base")
     return folder
+
+
+def test_one_hive_glob_reads_every_evaluated_checkpoint_apart(tmp_path):
+    """Folders checkpoint=base|sft|stepNNNN: the label does not clash with the files' integer `step` column (base and
+    the cold start both -1), and the docs' question-by-question comparison runs as written."""
+    import polars as pl
+
+    from retool.files.layout import RunFolder
+
+    run = RunFolder(tmp_path / "run")
+    for step, sft, correct in ((-1, False, [False, False]), (-1, True, [True, False]), (3, False, [True, True])):
+        folder = run.evaluation("synthetic_eval-0123/retool-n2", step, sft).path
+        folder.mkdir(parents=True)
+        rows = {"step": [step, step], "example_id": ["a", "b"], "data_source": ["x", "y"], "correct": correct}
+        pl.DataFrame(rows).write_parquet(folder / "trajectories.parquet")
+    page = (REPO / "docs/evaluation.md").read_text()
+    snippet = re.search(r"Two\ncheckpoints, question by question:\n\n```python\n(.*?)```", page, re.DOTALL).group(1)
+    namespace = {"print": lambda *_: None}
+    exec(snippet.replace("runs/cpu-default", str(run.path)).replace("print(", "result = ("), namespace)
+    assert sorted(namespace["evaluated"]["checkpoint"].unique()) == ["base", "sft", "step0003"]
+    assert namespace["result"]["gain"].to_list() == [0.0, 1.0]  # a: right after SFT and RL; b: only after RL

@@ -33,9 +33,19 @@ ROUNDS = "shard=*/round=*"  # every round folder of one step folder
 STEPS = "step=*"  # every training step folder of a run
 
 
+EVALUATED = "checkpoint=*"  # every checkpoint folder of one evaluation (step=* in runs made before)
+
+
+def checkpoint_label(step: int, sft: bool = False) -> str:
+    """An evaluated checkpoint's folder label, the `checkpoint` column of a hive-partitioned read: base, sft (step
+    -1: the base model, or the cold start's checkpoint) or stepNNNN."""
+    return ("sft" if sft else "base") if step < 0 else f"step{step:04d}"
+
+
 def _step_of(path: Path) -> int:
-    """The training step of a file under a step=NNNN folder (-1 under step=base or step=sft)."""
-    label = next(part for part in reversed(path.parts) if part.startswith("step=")).removeprefix("step=")
+    """The training step of a file under a step=NNNN or checkpoint=stepNNNN folder (-1 under base or sft)."""
+    part = next(part for part in reversed(path.parts) if part.startswith(("step=", "checkpoint=")))
+    label = part.partition("=")[2].removeprefix("step")
     return int(label) if label.isdigit() else -1
 
 
@@ -159,9 +169,9 @@ class RunFolder:
         return self.path / "eval" / name
 
     def evaluation(self, name: str, step: int, sft: bool = False) -> StepFolder:
-        """Evaluation `name` of checkpoint `step`; step -1: the base model, or (sft) the cold start's."""
-        label = ("sft" if sft else "base") if step < 0 else f"{step:04d}"
-        return StepFolder(self.evaluations(name) / f"step={label}")
+        """Evaluation `name` of checkpoint `step`; step -1: the base model, or (sft) the cold start's. Folders named
+        checkpoint=<label>, so that one glob with hive partitioning reads every checkpoint's files apart."""
+        return StepFolder(self.evaluations(name) / f"checkpoint={checkpoint_label(step, sft)}")
 
     def before_after(self, name: str, step: int) -> Path:
         return self.evaluations(name) / f"before_after-step={step:04d}.md"
@@ -205,4 +215,4 @@ class RunFolder:
 
     def evaluation_files(self, name: str) -> list[Path]:
         """One kind of file of every evaluation of every checkpoint: evaluation_files(SUMMARY_FILE)."""
-        return self.glob(f"eval/*/*/step=*/{name}")
+        return self.glob(f"eval/*/*/{EVALUATED}/{name}") + self.glob(f"eval/*/*/step=*/{name}")  # and runs before
