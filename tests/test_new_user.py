@@ -204,6 +204,16 @@ def test_a_bad_setting_on_the_command_line_is_one_line_naming_it(arguments, line
     assert "Traceback" not in output and max(map(len, output.splitlines())) < 300
 
 
+def test_a_cpu_server_for_a_full_fine_tune_is_refused_at_once(tmp_path):
+    """The CPU engine cannot load another full checkpoint: said before anything runs, not after a step's retries."""
+    arguments = ["Prompts", "--step", "0", "--run-device", "cpu", "--sampler-engine", "vllm-server"]
+    started = time.perf_counter()
+    result = run_cli(*arguments, "--trainer-lora-rank", "0", "--run-runs-dir", str(tmp_path))
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and "[trainer] lora_rank = 0 trains full weights, which it cannot load" in output
+    assert time.perf_counter() - started < 30 and not list(tmp_path.glob("*/step=0000"))
+
+
 def test_a_bad_choice_of_a_task_option_is_one_line_with_every_choice(tmp_path):
     result = run_cli("Evaluate", "--step", "0", "--eval-mode", "textonly", "--run-runs-dir", str(tmp_path))
     output = result.stdout + result.stderr

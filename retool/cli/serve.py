@@ -11,6 +11,7 @@ import time
 
 from retool.config.settings import SettingsError
 from retool.files.layout import RunFolder
+from retool.run.setup import cpu_server_limit
 from retool.sampling.server import start_servers, stop_server, write_record
 
 
@@ -41,6 +42,8 @@ def main() -> None:
         settings = current_settings()
     except SettingsError as error:
         parser.exit(2, f"python -m retool serve: {error}\n")
+    if limit := cpu_server_limit(settings):  # said before the server starts, not when a step first samples
+        print(f"note: {limit.removeprefix('setting ')}; this server can still evaluate the RL base", flush=True)
     port = args.port or settings.sampler.server_port
     folder = RunFolder(settings.run_dir)
     # Python's own handlers, installed after every import: a native extension's (polars') restarts the wait.

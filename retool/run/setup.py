@@ -89,6 +89,8 @@ def check_machine(settings: RunSettings) -> None:
                 f"needs {engines * sampler.tensor_parallel_size} GPUs, but this machine has "
                 f"{torch.cuda.device_count()} visible: each engine has its own GPUs"
             )
+    if settings.sampler.engine == "vllm-server" and (limit := cpu_server_limit(settings)):
+        raise SettingsError(limit)
     resolve_model(settings.model.name)
     files = {
         "[model] chat_template": settings.model.chat_template,
@@ -98,6 +100,18 @@ def check_machine(settings: RunSettings) -> None:
     for name, path in files.items():
         if path and not Path(path).is_file():
             raise SettingsError(f"setting {name} = {path!r}: no such file")
+
+
+def cpu_server_limit(settings: RunSettings) -> str | None:
+    """Why a vLLM server cannot serve this run's policies on a CPU (the CPU engine keeps the weights its kernels
+    packed at start: it serves its own weights and LoRA adapters over them, never another full checkpoint)."""
+    if settings.run.device != "cpu" or settings.trainer.lora_rank:
+        return None
+    return (
+        "setting [sampler] engine = vllm-server on a CPU serves only its own weights and LoRA adapters over them, "
+        "but [trainer] lora_rank = 0 trains full weights, which it cannot load: sample in-process ([sampler] engine "
+        "= vllm, a fresh engine per policy) or train a LoRA ([trainer] lora_rank > 0)"
+    )
 
 
 LOCAL_ENGINES = ("auto", "hf", "vllm")  # engines that every worker process loads for itself
