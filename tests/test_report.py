@@ -159,6 +159,21 @@ def test_every_plot_has_data_or_says_why_not():
             plt.close(figure)
 
 
+def test_stop_reasons_are_one_panel_of_those_that_occurred_and_checkpoints_are_named():
+    metrics = pl.DataFrame(
+        {"step": [0, 1], "stop_answer": [3, 4], "stop_max_code_calls": [1, 0], "stop_invalid": [0, 0]}
+    )
+    figure = plot_diagnostics(metrics)
+    (stops,) = [axis for axis in figure.axes if axis.get_title() == "Stop reasons"]
+    assert [entry.get_text() for entry in stops.get_legend().get_texts()] == ["answer", "max_code_calls"]
+    assert stops.get_title(loc="left").startswith("never: invalid, max_turns")
+    plt.close(figure)
+    evals = pl.DataFrame({"evaluation": ["a/retool-n1"] * 3, "position": [-2, -1, 3], "average_at_n": [0.1, 0.2, 0.3]})
+    figure = plot_eval(evals)
+    assert [label.get_text() for label in figure.axes[0].get_xticklabels()] == ["base", "SFT", "step 3"]
+    plt.close(figure)
+
+
 def test_a_run_without_tool_calls_says_so():
     metrics = pl.DataFrame({"step": [0], "valid_tool_call_rate": [NAN], "code_calls": [0.0], "turns": [1.0]})
     figure = plot_tool_use(metrics)

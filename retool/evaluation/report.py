@@ -131,11 +131,16 @@ def plot_diagnostics(metrics: pl.DataFrame) -> Figure:
     for axis, (title, ylabel, columns) in zip(axes.flat, DIAGNOSTICS):
         _draw_series(axis, metrics, columns, "not recorded")
         axis.set(title=title, xlabel="training step", ylabel=ylabel)
-    stops = {reason: f"stop_{reason}" for reason in STOP_REASONS}
-    halves = (dict(list(stops.items())[:4]), dict(list(stops.items())[4:]))
-    for axis, reasons in zip(axes.flat[len(DIAGNOSTICS) :], halves):
-        _draw_series(axis, metrics, reasons, "not recorded")
-        axis.set(title="Stop reasons", xlabel="training step", ylabel="trajectories")
+    # One panel of the stop reasons that occurred; the others named in a line, not drawn as lines at zero.
+    seen = [reason for reason in STOP_REASONS if any(v == v and v for v in _column(metrics, f"stop_{reason}"))]
+    stops = axes.flat[len(DIAGNOSTICS)]
+    _draw_series(stops, metrics, {reason: f"stop_{reason}" for reason in seen}, "no trajectory yet")
+    stops.set(title="Stop reasons", xlabel="training step", ylabel="trajectories")
+    never = [reason for reason in STOP_REASONS if reason not in seen]
+    if never and seen:
+        stops.set_title(f"never: {', '.join(never)}", loc="left", fontsize="x-small", y=-0.25, color="dimgray")
+    for unused in axes.flat[len(DIAGNOSTICS) + 1 :]:
+        figure.delaxes(unused)
     return figure
 
 
@@ -192,7 +197,7 @@ def plot_eval(evals: pl.DataFrame) -> Figure:
             axis.plot(
                 group["position"].to_list(), _column(group, column), marker=marker, linestyle=linestyle, label=name
             )
-        axis.set_xticks(ticks, [{-2: "base", -1: "SFT"}.get(t, str(t)) for t in ticks])
+        axis.set_xticks(ticks, [{-2: "base", -1: "SFT"}.get(t, f"step {t}") for t in ticks])
         axis.set(title=title, xlabel="checkpoint", ylim=(-0.05, 1.05))
         axis.grid(alpha=0.3)
         _note(axis, [] if groups else ["no evaluation yet"])
