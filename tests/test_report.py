@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import luigi
 import matplotlib.pyplot as plt
@@ -191,6 +192,13 @@ def test_a_report_of_step_n_draws_steps_up_to_n_and_names_each_checkpoint(two_st
     assert "| base |" in evaluation and "step 1" not in evaluation  # the step-1 checkpoint is after step 0
     full = make_report(two_step_run.run_dir, tmp_path / "step1", step=1).read_text()
     assert "| base |" in full and "| step 1 |" in full and "| all 332 |" in full  # every question of the data set asked
+    assert " ± " in full.split("## Evaluation")[1].split("| step 1 |")[1].split("\n")[0]  # Average@N with its interval
+    (table,) = two_step_run.run_dir.glob("eval/*/*/checkpoint=step0001")
+    (table.parent / "before_after-step=0001.md").write_text("| group | policy |\n")
+    linked = make_report(two_step_run.run_dir, tmp_path / "linked", step=1).read_text()
+    link = re.search(r"paired intervals: \[[^]]*\]\(([^)]*)\)", linked).group(1)
+    assert (tmp_path / "linked" / link).resolve() == (table.parent / "before_after-step=0001.md").resolve()
+    assert "before_after" not in make_report(two_step_run.run_dir, tmp_path / "early", step=0).read_text()
     assert "train_loss" not in full.split("## Training")[1].split("| step |")[1].split("\n")[0]
 
 

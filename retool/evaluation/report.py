@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from itertools import cycle
 from pathlib import Path
 
@@ -308,8 +309,10 @@ def make_report(run: str | Path, out: str | Path | None = None, step: int | None
         "## Evaluation\n",
         "![evaluation](eval.png)\n",
         _markdown_table(
-            evals, ["checkpoint", "dataset", "mode", "n", "questions_asked", "average_at_n", "pass_at_n", "format"]
+            with_intervals(evals, ["average_at_n", "format"]),
+            ["checkpoint", "dataset", "mode", "n", "questions_asked", "average_at_n", "pass_at_n", "format"],
         ),
+        "± is the half-width of a 95 % interval over questions. " + before_after_links(run, out, step),
         "## Worst trajectories to read\n",
         _markdown_table(
             worst_trajectories(run, 5, step),
@@ -319,6 +322,25 @@ def make_report(run: str | Path, out: str | Path | None = None, step: int | None
     report = out / REPORT
     write_text_atomically(report, "\n".join(sections))
     return report
+
+
+def with_intervals(evals: pl.DataFrame, columns: list[str]) -> pl.DataFrame:
+    """Each rate as "0.312 ± 0.048" where the summary has its interval (`<column>_ci`)."""
+    shown = [
+        pl.format("{} ± {}", pl.col(c).round(3), pl.col(f"{c}_ci").round(3)).alias(c)
+        for c in columns
+        if c in evals.columns and f"{c}_ci" in evals.columns
+    ]
+    return evals.with_columns(shown) if shown else evals
+
+
+def before_after_links(run: Path, out: Path, step: int | None) -> str:
+    """Links to the before/after tables (each family role apart, with paired intervals) of steps up to `step`."""
+    tables = [path for made_at, path in RunFolder(run).before_after_tables() if step is None or made_at <= step]
+    if not tables:
+        return "The before/after table (`luigi --module pipeline BeforeAfter`) pairs them question by question.\n"
+    links = ", ".join(f"[{path.parent.name} {path.stem}]({os.path.relpath(path, out)})" for path in tables)
+    return f"Question by question, each family role apart, with paired intervals: {links}.\n"
 
 
 def counted(count: int, noun: str) -> str:

@@ -176,6 +176,10 @@ class RunFolder:
     def before_after(self, name: str, step: int) -> Path:
         return self.evaluations(name) / f"before_after-step={step:04d}.md"
 
+    def before_after_tables(self) -> list[tuple[int, Path]]:
+        """Every before/after table of the run, with the RL step it compares."""
+        return [(int(path.stem.rpartition("=")[2]), path) for path in self.glob("eval/*/*/before_after-step=*.md")]
+
     def report(self, step: int | None = None) -> Path:
         """The folder of the report made after training step `step`; None: the one `python -m retool report`
         makes."""
