@@ -46,7 +46,7 @@ def test_exported_rollouts_render_to_the_sampled_tokens_through_sft_examples(con
     conversations = read_conversations(out)
     assert sorted(c.id for c in conversations) == sorted(sampled) and len(sampled) >= 4
     assert any(turn.code for c in conversations for turn in c.turns)  # tool calls and their outputs are kept
-    assert f"{len(sampled)} of {len(sampled)} render to the sampled tokens exactly" in done.stdout
+    assert f"{len(sampled)} of {len(sampled)} render to the sampled tokens exactly\n" in done.stdout  # no "others"
 
     # Another run starts from them: its SFT examples are the sampled sequences, token for token.
     configure("from-rollouts", cold_start={"data": str(out)})

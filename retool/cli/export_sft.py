@@ -32,10 +32,11 @@ class Exported:
 
     def describe(self, out: Path) -> str:
         left_out = f"; {self.unreadable} left out that the cold start would refuse" if self.unreadable else ""
+        others = " (the others differ in how their text tokenizes, not in their text)"
         return (
             f"{out}: {self.conversations} correct trajectories of {self.trajectories} from steps "
             f"{', '.join(map(str, self.steps))}{left_out}; {self.exact} of {self.conversations} render to the sampled "
-            "tokens exactly (the others differ in how their text tokenizes, not in their text)"
+            f"tokens exactly{others if self.exact < self.conversations else ''}"
         )
 
 
