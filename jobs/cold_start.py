@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from retool.config.settings import RunSettings
+from retool.evaluation.tracking import Tracker
 from retool.files.tables import SFT_EXAMPLES, read_table, write_table_atomically
 from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memory
 from retool.training.cold_start import describe_cold_start, losses_table, sft_datums, train_cold_start
@@ -35,4 +36,5 @@ def cold_start(
     )
     reclaim_sampler_memory(run)
     write_table_atomically(losses_table(rows), losses)
+    Tracker.of(run).log_steps([(row["step"], {"loss": row["loss"]}) for row in rows], prefix="cold_start/")
     return describe_cold_start(rows)

@@ -11,7 +11,6 @@ from retool.config.settings import RunSettings
 from retool.evaluation.scores import describe_eval, summarize_eval
 from retool.evaluation.spec import EvalSpec, content_hash
 from retool.evaluation.tracking import Tracker, scalars
-from retool.files.layout import RunFolder
 from retool.files.tables import TRAJECTORIES, read_table, write_table_atomically
 
 
@@ -31,7 +30,5 @@ def evaluate(trajectories: Path, out: Path, run: RunSettings, evaluation: EvalSp
     }
     write_table_atomically(pa.Table.from_pylist([summary]), out)
     scores = scalars({name: value for name, value in summary.items() if name not in ("temperature", "top_p")})
-    Tracker(run.run.tracker, RunFolder(run.run_dir), run.run.name).log(
-        step, scores, prefix=f"eval/{evaluation.name}/{stage}/"
-    )
+    Tracker.of(run).log(step, scores, prefix=f"eval/{evaluation.name}/{stage}/")
     return f"{evaluation.mode} on {evaluation.dataset}: {describe_eval(summary)}"

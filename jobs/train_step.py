@@ -138,7 +138,7 @@ def write_metrics(
     )
     metrics["sandbox_containment"] = sandbox_for(run.sandbox).containment.describe()
     write_table_atomically(pa.Table.from_pylist([metrics]), out)
-    Tracker(run.run.tracker, RunFolder(run.run_dir), run.run.name).log(step, scalars(metrics))
+    Tracker.of(run).log(step, scalars(metrics))
     return describe_step(metrics)
 
 

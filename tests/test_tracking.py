@@ -100,6 +100,21 @@ def test_two_commands_log_two_steps_to_one_tracker_run(kind, tmp_path, offline):
         assert mlflow_history(folder, "reward_mean") == [(0, 0.0), (1, -0.25)]
 
 
+def test_an_mlflow_run_ends_finished_with_the_settings_as_params(tmp_path, offline):
+    from mlflow.tracking import MlflowClient
+
+    from retool.config.settings import RunSettings, frozen
+
+    folder = RunFolder(tmp_path / "run")
+    tracker = Tracker("mlflow", folder, "demo", frozen(RunSettings().changed(rollout={"group_size": 5})))
+    tracker.log_steps([(0, {"loss": 1.5}), (1, {"loss": 1.25})], prefix="cold_start/")
+    tracker.log(0, {"reward_mean": -0.5})
+    client = MlflowClient(tracking_uri=f"sqlite:///{(folder.path / 'mlflow.db').resolve()}")
+    (run,) = client.search_runs([client.get_experiment_by_name("retool").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["rollout.group_size"] == "5"
+    assert mlflow_history(folder, "cold_start/loss") == [(0, 1.5), (1, 1.25)]
+
+
 def test_scalars_are_the_numbers_but_flags_and_the_step():
     assert scalars({"step": 3, "loss": 0.5, "train_updates": 2, "train_skipped": False, "stops": "answer: 3"}) == {
         "loss": 0.5,

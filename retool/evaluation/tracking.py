@@ -19,9 +19,9 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from retool.config.settings import TRACKERS, SettingsError
+from retool.config.settings import TRACKERS, RunSettings, SettingsError, frozen
 from retool.files.atomic import publish_once
 from retool.files.layout import RunFolder
 
@@ -54,6 +54,12 @@ class Tracker:
     kind: str  # one of TRACKERS
     folder: RunFolder  # the run's folder: offline files and the tracker run's id live there
     run_name: str  # the name the tracker shows
+    settings: dict = field(default_factory=dict)  # the run's frozen settings by section: the tracker run's params
+
+    @classmethod
+    def of(cls, run: RunSettings) -> Tracker:
+        """The tracker of a run, as its settings name it."""
+        return cls(run.run.tracker, RunFolder(run.run_dir), run.run.name, frozen(run))
 
     def run_id(self) -> str:
         """The tracker run's id: drawn by the run's first command, read by every later one."""
@@ -63,20 +69,34 @@ class Tracker:
 
     def log(self, step: int, values: dict[str, float], prefix: str = "") -> None:
         """Logs scalars at training step `step` (-1: before RL), each name under `prefix`."""
-        assert self.kind in TRACKERS, self.kind
-        if self.kind == "none" or not values:
-            return
-        named = {f"{prefix}{name}": value for name, value in values.items()}
-        {"tensorboard": self._tensorboard, "wandb": self._wandb, "mlflow": self._mlflow}[self.kind](step, named)
+        self.log_steps([(step, values)], prefix)
 
-    def _tensorboard(self, step: int, values: dict[str, float]) -> None:
+    def log_steps(self, rows: list[tuple[int, dict[str, float]]], prefix: str = "") -> None:
+        """Logs (step, scalars) rows in one session of the tracker, each name under `prefix`."""
+        assert self.kind in TRACKERS, self.kind
+        rows = [(step, {f"{prefix}{name}": value for name, value in values.items()}) for step, values in rows]
+        rows = [(step, values) for step, values in rows if values]
+        if self.kind == "none" or not rows:
+            return
+        {"tensorboard": self._tensorboard, "wandb": self._wandb, "mlflow": self._mlflow}[self.kind](rows)
+
+    def params(self) -> dict[str, str]:
+        """The settings as flat `section.name` params."""
+        return {
+            f"{section}.{name}": str(value)
+            for section, values in self.settings.items()
+            for name, value in values.items()
+        }
+
+    def _tensorboard(self, rows: list[tuple[int, dict[str, float]]]) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         with SummaryWriter(str(self.folder.tensorboard)) as writer:
-            for name, value in values.items():
-                writer.add_scalar(name, value, step)
+            for step, values in rows:
+                for name, value in values.items():
+                    writer.add_scalar(name, value, step)
 
-    def _wandb(self, step: int, values: dict[str, float]) -> None:
+    def _wandb(self, rows: list[tuple[int, dict[str, float]]]) -> None:
         import wandb
 
         run = wandb.init(
@@ -86,18 +106,20 @@ class Tracker:
             dir=str(self.folder.path),
             mode=None if "WANDB_MODE" in os.environ else "offline",
             resume="allow",
+            config=self.settings,
             settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
         )
         try:
             # Each command is its own W&B session, whose own step counter restarts: plot against the run's step.
             run.define_metric("step")
             run.define_metric("*", step_metric="step")
-            run.log({"step": step, **values})
+            for step, values in rows:
+                run.log({"step": step, **values})
         finally:
             run.finish()
 
-    def _mlflow(self, step: int, values: dict[str, float]) -> None:
-        from mlflow.entities import Metric
+    def _mlflow(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        from mlflow.entities import Metric, Param
         from mlflow.tracking import MlflowClient
 
         for name in ("mlflow", "alembic"):  # their INFO lines on database set-up are not the run's
@@ -109,10 +131,20 @@ class Tracker:
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(name)
         run_id = self.run_id()
         found = client.search_runs([experiment_id], filter_string=f"tags.`{RUN_ID_TAG}` = '{run_id}'", max_results=1)
-        mlflow_run = (
-            found[0] if found else client.create_run(experiment_id, run_name=self.run_name, tags={RUN_ID_TAG: run_id})
-        )
+        if found:
+            mlflow_run = found[0]
+            client.update_run(mlflow_run.info.run_id, status="RUNNING")
+        else:  # the settings as params, once: a run's settings are frozen
+            mlflow_run = client.create_run(experiment_id, run_name=self.run_name, tags={RUN_ID_TAG: run_id})
+            params = [Param(key, value) for key, value in self.params().items()]
+            for start in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
+                client.log_batch(mlflow_run.info.run_id, params=params[start : start + 100])
         now = int(time.time() * 1000)
-        client.log_batch(
-            mlflow_run.info.run_id, metrics=[Metric(key, value, now, step) for key, value in values.items()]
-        )
+        metrics = [Metric(key, value, now, step) for step, values in rows for key, value in values.items()]
+        try:
+            client.log_batch(mlflow_run.info.run_id, metrics=metrics)
+        except Exception:
+            client.set_terminated(mlflow_run.info.run_id, "FAILED")
+            raise
+        # Each command's logging ends the run's record so far: FINISHED until a later step logs again.
+        client.set_terminated(mlflow_run.info.run_id, "FINISHED")
