@@ -13,6 +13,7 @@ COMMANDS = {  # command -> (module of retool.cli, what it does)
     "serve": ("serve", "start vLLM's OpenAI-compatible server for a run's model"),
     "report": ("report", "plots and a Markdown summary of a run folder"),
     "export-sft": ("export_sft", "a run's correct rollouts as cold-start conversations"),
+    "settings": ("settings", "every setting by section, with its default and description"),
     "view": ("view", "a step's or an evaluation's trajectories as one HTML page: turns, rewards, tokens"),
 }
 

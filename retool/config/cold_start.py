@@ -16,7 +16,7 @@ class ColdStartConfig:
     data: str = ""
     steps: int = 8  # optimizer steps of supervised fine-tuning
     batch_size: int = 8  # conversations per step
-    learning_rate: float = 1e-4
+    learning_rate: float = 1e-4  # Adam's step size for the supervised steps
     lora_rank: int = 32  # 0 = full fine-tune; LoRA weights are merged into full weights at the end
     save_every: int = 4  # steps between resume points (sft/progress/); 0 = none
     seed: int = 0  # order in which conversations are visited

@@ -26,7 +26,7 @@ DEFAULT_MODEL = "default"  # the embedded SmolLM2-135M-Instruct, built from a Py
 class RunConfig:
     SECTION: ClassVar[str] = "run"  # its luigi.cfg section, named by `require`
     name: str = "default"  # the run's folder under runs_dir
-    runs_dir: str = "runs"
+    runs_dir: str = "runs"  # the folder of every run's folder
     device: str = "cuda"  # cuda | cpu
     train_processes: int = 1  # > 1 trains under torchrun with that many processes (one per GPU)
     keep_last: int = 3  # checkpoints that keep their weights and optimizer state

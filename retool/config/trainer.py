@@ -21,17 +21,17 @@ class TrainerConfig:
     SECTION: ClassVar[str] = "trainer"  # its luigi.cfg section, named by `require`
     objective: str = "ppo"  # ppo (clipped surrogate on sampled tokens) | sft (negative log-likelihood, the cold start)
     lora_rank: int = 32  # 0 trains every weight
-    lora_alpha: int = 64
-    learning_rate: float = 4e-5
-    beta1: float = 0.9
-    beta2: float = 0.95
-    max_grad_norm: float = 1.0
+    lora_alpha: int = 64  # LoRA scale: the adapter's update is multiplied by lora_alpha / lora_rank
+    learning_rate: float = 4e-5  # Adam's step size
+    beta1: float = 0.9  # Adam's first-moment decay
+    beta2: float = 0.95  # Adam's second-moment decay
+    max_grad_norm: float = 1.0  # the gradient is clipped to this norm before each optimizer step
     clip_low: float = 0.2  # ratio may fall to 1 - clip_low
     clip_high: float = 0.28  # and rise to 1 + clip_high (clip-higher)
     loss_aggregation: str = "token_mean"  # token_mean | sample_mean (see retool.training.packing)
     ppo_mini_batches: int = 1  # optimizer steps per pass over a step's datums, each on every k-th datum
     ppo_epochs: int = 1  # passes over a step's datums; updates after the first are off-policy, bounded by the clip
-    micro_batch_items: int = 8
+    micro_batch_items: int = 8  # datums per micro-batch, at most
     micro_batch_tokens: int = 16384  # padded tokens per micro-batch
     # Tokens sampled by another policy than the trainer's (an older checkpoint with [rollout] max_staleness, or a
     # sampler's numerical drift): none (PPO's ratio against the sampler's logprobs) | tis | mis (decoupled PPO: the
