@@ -10,11 +10,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from jobs.report import report as write_report
 from retool.config.settings import RunSettings
 from retool.data.conversations import read_conversations
 from retool.data.examples import read_examples
-from retool.evaluation.report import make_report
 from retool.evaluation.scores import before_after_markdown, paired_difference, question_groups, summarize_eval
+from retool.evaluation.viewer import PageFiles
 from retool.files.atomic import write_text_atomically
 from retool.files.tables import TRAJECTORIES, read_table
 
@@ -28,11 +29,17 @@ def training_sources(run: RunSettings) -> tuple[frozenset[str], frozenset[str]]:
 
 
 def before_after(
-    evaluations: Sequence[tuple[str, Path]], n: int, out: Path, report: Path, run: RunSettings, step: int
+    evaluations: Sequence[tuple[str, Path]],
+    n: int,
+    out: Path,
+    report: Path,
+    run: RunSettings,
+    step: int,
+    page: PageFiles,
 ) -> str:
     """`evaluations`: (label, trajectories.parquet) of each policy, the last the final one, compared with each earlier
     one question by question; `n`: samples per question. Then the run's report of steps up to `step`, evaluations
-    included, under `report`. Returns the table."""
+    included, under `report`, with the page of step `step`'s trajectories drawn from `page`. Returns the table."""
     trajectories = {label: read_table(path, TRAJECTORIES) for label, path in evaluations}
     (final, _), earlier = evaluations[-1], evaluations[:-1]
     groups = []
@@ -47,5 +54,5 @@ def before_after(
         groups.append((group, summaries, differences))
     table = before_after_markdown(groups)
     write_text_atomically(out, table)
-    make_report(run.run_dir, report, step)
+    write_report(report, run, step, page)
     return "\n" + table

@@ -7,15 +7,15 @@ from pathlib import Path
 
 from retool.config.settings import RunSettings
 from retool.evaluation.report import make_report
-from retool.evaluation.viewer import write_page
-from retool.files.layout import VIEW, RunFolder
+from retool.evaluation.viewer import PageFiles, write_page
+from retool.files.layout import VIEW
 from retool.run.shared import token_decoder
 
 
-def report(out: Path, run: RunSettings, step: int) -> str:
+def report(out: Path, run: RunSettings, step: int, page: PageFiles) -> str:
     """`out`: the report's folder. It reads every step's metrics up to `step` and every evaluation found, and
-    holds the page of step `step`'s trajectories, which it links."""
+    holds the page of step `step`'s trajectories (drawn from `page`), which it links."""
     out.mkdir(parents=True, exist_ok=True)
-    write_page(RunFolder(run.run_dir).step(step), f"{run.run.name}: step {step}", token_decoder(run.model), out / VIEW)
+    write_page(page, f"{run.run.name}: step {step}", token_decoder(run.model), out / VIEW)
     make_report(run.run_dir, out, step, view=VIEW)
     return f"plots and summary of {step + 1} steps, and step {step}'s trajectories ({VIEW})"

@@ -10,7 +10,7 @@ from jobs.before_after import before_after
 from jobs.evaluate import evaluate
 from jobs.report import report
 from pipeline.config import Choice
-from pipeline.tasks import RunTask, ScoreTrajectories, TrainStep, path
+from pipeline.tasks import RunTask, ScoreTrajectories, TrainStep, page_files, path
 from retool.evaluation.scores import EVAL_MODES
 from retool.evaluation.spec import EvalSpec
 from retool.files.layout import REPORT
@@ -58,7 +58,7 @@ class Report(RunTask):
     their checkpoints, under runs/<run>/report/step=NNNN/ (`python -m retool report runs/NAME` by hand, of all)."""
 
     def requires(self):
-        return {"steps": [TrainStep(step=step) for step in range(self.step + 1)]}
+        return {"steps": [TrainStep(step=step) for step in range(self.step + 1)], "page": self.page()}
 
     def output(self):
         return self.target(self.run_folder.report(self.step) / REPORT)
@@ -69,7 +69,8 @@ class Report(RunTask):
         return report.exists() and not self.run_folder.changed_since(report, self.step)
 
     def run(self):
-        self.summary = report(path(self.output()).parent, self.settings, self.step)
+        page = page_files(self.input()["page"])
+        self.summary = report(path(self.output()).parent, self.settings, self.step, page)
 
 
 class BeforeAfter(EvaluationTask):
@@ -89,7 +90,7 @@ class BeforeAfter(EvaluationTask):
         evaluations = [task for _, task in self.evaluations()]
         trajectories = [task.clone(ScoreTrajectories, evaluation=task.spec()) for task in evaluations]
         steps = [TrainStep(step=step) for step in range(self.step + 1)]  # the report's
-        return {"evaluations": evaluations, "trajectories": trajectories, "steps": steps}
+        return {"evaluations": evaluations, "trajectories": trajectories, "steps": steps, "page": self.page()}
 
     def output(self):
         return self.target(self.run_folder.before_after(self.spec().name, self.step))
@@ -98,4 +99,5 @@ class BeforeAfter(EvaluationTask):
         labels = [label for label, _ in self.evaluations()]
         evaluations = list(zip(labels, map(path, self.input()["trajectories"]), strict=True))
         out, report_folder = path(self.output()), self.run_folder.report(self.step)
-        self.summary = before_after(evaluations, self.n, out, report_folder, self.settings, self.step)
+        page = page_files(self.input()["page"])
+        self.summary = before_after(evaluations, self.n, out, report_folder, self.settings, self.step, page)

@@ -22,6 +22,7 @@ from retool.config.settings import RunSettings
 from retool.config.trainer import replayed_steps
 from retool.evaluation.metrics import record_stage_seconds
 from retool.evaluation.spec import EvalSpec, check_evaluated_checkpoint, evaluation_settings
+from retool.evaluation.viewer import PageFiles
 from retool.files.layout import RoundPaths, RunFolder, StepFolder
 from retool.files.tables import parquet_seconds
 from retool.run.setup import open_run
@@ -127,6 +128,11 @@ class RunTask(luigi.Task):
         """Every round of every shard of the step."""
         rollout = self.rollout
         return [self.rounds(shard, rollout.max_assistant_turns) for shard in range(rollout.shards)]
+
+    def page(self) -> dict[str, luigi.Task]:
+        """The stages whose files draw training step `step`'s trajectory page (see `page_files`)."""
+        datums = self.clone(BuildDatums)
+        return {**datums.requires(), "datums": datums}
 
 
 @RunTask.event_handler(luigi.Event.START)
@@ -351,6 +357,12 @@ def path(target: luigi.LocalTarget) -> Path:
 def round_paths(rounds: list[dict]) -> list[RoundPaths]:
     """The inputs of `RunTask.rounds` as paths."""
     return [RoundPaths(path(r["samples"]), path(r["observations"])) for r in rounds]
+
+
+def page_files(inputs: dict) -> PageFiles:
+    """The inputs of `RunTask.page` as paths."""
+    rounds = [paths for shard in inputs["shards"] for paths in round_paths(shard)]
+    return PageFiles(path(inputs["prompts"]), rounds, path(inputs["trajectories"]), path(inputs["datums"]))
 
 
 def checkpoint_of(inputs: dict, name: str = "policy") -> Path | None:

@@ -71,7 +71,8 @@ def test_the_default_run_cold_starts_updates_every_step_and_compares(tmp_path, d
     assert [row[1] for row in rows] == ["base", "SFT", "RL step 1"] * 3
     assert [rows[i][0].split(" (")[0] for i in (0, 3, 6)] == ["sft families", "rl families", "held-out families"]
     sft, rl = (
-        pl.read_parquet(next(run.glob(f"eval/heldout-*/retool-n2/step={s}/summary.parquet"))) for s in ("sft", "0001")
+        pl.read_parquet(next(run.glob(f"eval/heldout-*/retool-n2/checkpoint={s}/summary.parquet")))
+        for s in ("sft", "step0001")
     )
     assert rl["format"][0] >= sft["format"][0] - 0.2  # RL keeps the answer format the cold start taught
     assert "rl families: RL step 1 - SFT" in table and "held-out families: RL step 1 - base" in table

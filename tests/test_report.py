@@ -220,7 +220,7 @@ def test_the_report_task_is_built_again_when_an_evaluation_it_shows_is_newer(two
     assert not report_task.complete()  # the fixture's evaluations ran after it
     assert luigi.build([report_task], local_scheduler=True, workers=1, log_level="WARNING")
     assert report_task.complete()
-    summary = next((two_step_run.run_dir / "eval").glob("*/*/step=0001/summary.parquet"))
+    summary = next((two_step_run.run_dir / "eval").glob("*/*/checkpoint=step0001/summary.parquet"))
     summary.touch()
     assert not report_task.complete()
     assert luigi.build([report_task], local_scheduler=True, workers=1, log_level="WARNING")

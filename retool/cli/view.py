@@ -9,7 +9,7 @@ from pathlib import Path
 
 from retool.config.settings import SettingsError
 from retool.data.examples import DataError
-from retool.evaluation.viewer import write_page
+from retool.evaluation.viewer import PageFiles, write_page
 from retool.files import layout
 from retool.files.layout import RunFolder, StepFolder
 from retool.run.setup import recorded_settings
@@ -38,7 +38,7 @@ def folder_to_view(run: Path, step: int | None, evaluation: str | None) -> StepF
 def write_view(run: Path, folder: StepFolder, out: Path) -> int:
     """Writes the page of the trajectories in `folder`; returns how many it shows."""
     decode = token_decoder(recorded_settings(run).model)
-    return write_page(folder, f"{run.name}: {folder.path.relative_to(run)}", decode, out)
+    return write_page(PageFiles.of(folder), f"{run.name}: {folder.path.relative_to(run)}", decode, out)
 
 
 def main() -> int:

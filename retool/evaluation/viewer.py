@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from retool.files import layout
 from retool.files.atomic import write_text_atomically
-from retool.files.layout import StepFolder
+from retool.files.layout import RoundPaths, StepFolder
 from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, read_table
 
 ROLES = ("prompt", "sampled", "observation")  # the question's prompt, the model's tokens, what was appended after
@@ -54,14 +54,32 @@ class TrajectoryView:
         return f"q{self.question_index}-b{self.group_index}"
 
 
-def write_page(folder: StepFolder, title: str, decode: Callable[[int], str], out: Path) -> int:
-    """Writes the page of the trajectories in a step's or an evaluation's folder; returns how many it shows."""
-    rounds = sorted(folder.path.glob(layout.ROUNDS))
-    samples = pa.concat_tables([read_table(r / layout.SAMPLES_FILE, SAMPLES) for r in rounds])
-    observations = pa.concat_tables([read_table(r / layout.OBSERVATIONS_FILE, OBSERVATIONS) for r in rounds])
-    datums = read_table(folder.datums, DATUMS).to_pylist() if folder.datums.is_file() else []  # none: an evaluation
+@dataclass(frozen=True)
+class PageFiles:
+    """The files a page is drawn from: one step's or one evaluation's."""
+
+    prompts: Path  # prompts.parquet
+    rounds: Sequence[RoundPaths]  # every round of every shard
+    trajectories: Path  # trajectories.parquet
+    datums: Path | None  # datums.parquet of a training step; None: an evaluation, which trains on nothing
+
+    @classmethod
+    def of(cls, folder: StepFolder) -> PageFiles:
+        """The files of a step's or an evaluation's folder as found on disk."""
+        rounds = [
+            RoundPaths(r / layout.SAMPLES_FILE, r / layout.OBSERVATIONS_FILE) for r in folder.path.glob(layout.ROUNDS)
+        ]
+        datums = folder.datums if folder.datums.is_file() else None
+        return cls(folder.prompts, sorted(rounds, key=lambda r: r.samples), folder.trajectories, datums)
+
+
+def write_page(files: PageFiles, title: str, decode: Callable[[int], str], out: Path) -> int:
+    """Writes the page of the trajectories of a step or an evaluation; returns how many it shows."""
+    samples = pa.concat_tables([read_table(r.samples, SAMPLES) for r in files.rounds])
+    observations = pa.concat_tables([read_table(r.observations, OBSERVATIONS) for r in files.rounds])
+    datums = read_table(files.datums, DATUMS).to_pylist() if files.datums else []
     trained = {(row["question_index"], row["group_index"]) for row in datums}
-    prompts, trajectories = read_table(folder.prompts, PROMPTS), read_table(folder.trajectories, TRAJECTORIES)
+    prompts, trajectories = read_table(files.prompts, PROMPTS), read_table(files.trajectories, TRAJECTORIES)
     views = trajectory_views(prompts, samples, observations, trajectories, trained, decode)
     write_text_atomically(out, render_page(title, views))
     return len(views)

@@ -75,6 +75,10 @@ class StepFolder:
         """The first `count` rounds of one shard."""
         return [RoundPaths(self.samples(shard, r), self.observations(shard, r)) for r in range(count)]
 
+    def round_folders(self) -> list[Path]:
+        """Every round folder of every shard found on disk, in order."""
+        return sorted(self.path.glob(ROUNDS))
+
     def all_observations(self) -> list[Path]:
         return sorted(self.path.glob(f"{ROUNDS}/{OBSERVATIONS_FILE}"))
 
