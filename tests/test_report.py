@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import re
+import shutil
+from pathlib import Path
 
 import luigi
 import matplotlib.pyplot as plt
@@ -38,12 +40,17 @@ from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import scripted, tool_call_text
 from tests.pipeline_helpers import TRAIN, batch
 
+BUILT: dict[str, Path] = {}  # the fixture's run as built, once per session: each test gets its own copy
+
 
 @pytest.fixture
-def two_step_run(configure, monkeypatch):
+def two_step_run(configure, monkeypatch, tmp_path_factory):
     """Two training steps, a report, and evaluations of the base model and of step 1. Branch 1
     divides by zero, branch 2 prints, even branches answer correctly."""
     settings = configure("report", trainer=TRAIN)
+    if "run" in BUILT:  # the same files, modification times kept, in this test's own folder
+        shutil.copytree(BUILT["run"], settings.run_dir)
+        return settings
     protocol = protocol_for(settings.model)
 
     def choose(question, group, turn, step):
@@ -64,6 +71,8 @@ def two_step_run(configure, monkeypatch):
         pipeline.Evaluate(step=1, dataset=settings.data.train, n=2),
     ]
     assert luigi.build(tasks, local_scheduler=True, workers=1, log_level="WARNING")
+    BUILT["run"] = tmp_path_factory.mktemp("two-step-run") / "report"
+    shutil.copytree(settings.run_dir, BUILT["run"])
     return settings
 
 

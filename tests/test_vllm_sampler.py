@@ -196,13 +196,16 @@ settings = RunSettings().changed(
 sampler = engines.sampler_for(settings, Policy(weights, None))
 replies = sampler.sample([SampleRequest(0, (0, 1), tuple(range(100, 140)), 8, seed=5)], SamplingSettings())
 assert engines.sampler_for(settings, Policy(weights, None)) is sampler
+engines.release_sampler_memory(settings)  # what a training step does around its update: the engine stops
+engines.reclaim_sampler_memory(settings)  # and starts only when a later task samples, on that task's policy
 print("starts", starts == [str(weights)], "replies", len(replies[0]))
 """
 
 
 def test_a_command_starts_its_engine_once_on_the_policy_and_logs_vllm_to_the_run(tiny_model_dir, tmp_path):
     """A command that evaluates a full-weights checkpoint starts one engine, on those weights (not the model first,
-    then again), and vLLM's own lines go to runs/<run>/sampler-engine.log, not the terminal. A process of its own:
+    then again), a training step after it starts none, and vLLM's own lines and torch's C++ warnings of the start go
+    to runs/<run>/sampler-engine.log, not the terminal. A process of its own:
     vLLM configures its logging at the first engine start of a process."""
     import subprocess
     import sys
@@ -216,3 +219,4 @@ def test_a_command_starts_its_engine_once_on_the_policy_and_logs_vllm_to_the_run
     assert done.stdout.strip().splitlines()[-1] == "starts True replies 2"
     assert " INFO " in (tmp_path / "runs" / "default" / "sampler-engine.log").read_text()
     assert "INFO" not in done.stdout + done.stderr and "WARNING" not in done.stdout + done.stderr, done.stderr[-3000:]
+    assert "] Warning: " not in done.stderr, done.stderr[-3000:]  # torch's C++ warnings, e.g. its NUMA binding line

@@ -154,6 +154,11 @@ class RunFolder:
         return self.path / "sampler-engine.log"
 
     @property
+    def warnings_log(self) -> Path:
+        """The libraries' Python warnings (FutureWarning and the like) of every command (RETOOL_DEBUG=1: on screen)."""
+        return self.path / "warnings.log"
+
+    @property
     def tensorboard(self) -> Path:
         return self.path / "tensorboard"
 

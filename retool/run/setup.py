@@ -9,6 +9,7 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 from dataclasses import fields, replace
 from functools import lru_cache
 from pathlib import Path
@@ -34,6 +35,7 @@ def open_run(settings: RunSettings, workers: int = 1) -> None:
     """Once per process and run, before anything is scheduled (Luigi forks its worker processes later, and they
     inherit what is loaded here): fail early on settings this machine cannot run, freeze them, and load what
     every task of the run shares (`workers`: the command's worker processes)."""
+    third_party_output_to(RunFolder(settings.run_dir).warnings_log)
     check_training(settings)
     check_machine(settings)
     for line in (precision_line(settings), kernels_line(settings)):
@@ -56,6 +58,28 @@ def open_run(settings: RunSettings, workers: int = 1) -> None:
     protocol_for(settings.model)
     if settings.model.use_tools:
         sandbox_for(settings.sandbox).prewarm()
+
+
+def third_party_output_to(path: Path) -> None:
+    """The libraries' Python warnings go to `path`, their progress bars and adverts nowhere, so that the terminal
+    shows the run's own lines (vLLM's go to the engine's log: retool/sampling/vllm_engine.py); all of them stay on
+    the terminal with RETOOL_DEBUG=1."""
+    if os.environ.get("RETOOL_DEBUG"):
+        return
+    os.environ["WANDB_SILENT"] = "true"  # W&B's banner, links and advert
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # transformers' and the Hub's bars, read when they load
+    if "transformers" in sys.modules:  # loaded already: its bars ("Writing model shards") are switched off here
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+    logging.captureWarnings(True)
+    warnings_logger = logging.getLogger("py.warnings")
+    if any(getattr(handler, "baseFilename", None) == str(path.resolve()) for handler in warnings_logger.handlers):
+        return
+    for handler in list(warnings_logger.handlers):
+        warnings_logger.removeHandler(handler)
+    to_file = logging.FileHandler(path, delay=True)  # created by the first warning
+    to_file.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    warnings_logger.addHandler(to_file)
+    warnings_logger.propagate = False
 
 
 def check_inputs(settings: RunSettings) -> None:

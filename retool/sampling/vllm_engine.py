@@ -8,8 +8,10 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,25 @@ def vllm_logs_to(path: Path | None) -> None:
     logger.addHandler(to_terminal)
     logger.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO"))  # vLLM's own default, which it no longer sets
     logger.propagate = False
+
+
+@contextmanager
+def native_stderr_to(path: Path | None) -> Iterator[None]:
+    """What is written below Python to file descriptor 2 meanwhile (torch's C++ warnings of an engine start, such as
+    its NUMA binding line) goes to `path`; to the terminal with RETOOL_DEBUG=1 or without a path."""
+    if path is None or os.environ.get("RETOOL_DEBUG"):
+        yield
+        return
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    try:
+        with path.open("a") as log:
+            os.dup2(log.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(terminal, 2)
+        os.close(terminal)
 
 
 def vllm_available() -> bool:
@@ -115,7 +136,9 @@ class VLLMSampler:
         options["logprobs_mode"] = LOGPROBS_MODE
         self.device, self.options = device, dict(max_model_len=max_model_len, seed=0, **options)
         self.weights = Path(weights) if weights is not None else self.model_path  # the full weights it holds now
-        self.llm = LLM(model=str(self.weights), tokenizer=str(self.model_path), **self.options)
+        self.log_path = log_path
+        with native_stderr_to(log_path):
+            self.llm = LLM(model=str(self.weights), tokenizer=str(self.model_path), **self.options)
         self.policy: Policy | None = None  # the policy sampled from; None = the model above
         self.lora_request = None  # the adapter every request is sampled with, if any
         self._lora_ids = 0  # adapters served so far: each gets a new id
@@ -140,7 +163,8 @@ class VLLMSampler:
         from vllm import LLM
 
         self._stop_engine()
-        self.llm = LLM(model=str(weights), tokenizer=str(self.model_path), **self.options)
+        with native_stderr_to(self.log_path):
+            self.llm = LLM(model=str(weights), tokenizer=str(self.model_path), **self.options)
         self.weights = weights
 
     def sleep(self) -> None:
