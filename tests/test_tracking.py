@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import luigi
@@ -88,6 +89,7 @@ def test_two_commands_log_two_steps_to_one_tracker_run(kind, tmp_path, offline):
     folder = RunFolder(tmp_path / "run")
     for step in (0, 1):  # each a separate command: a new Tracker, as a new process has
         Tracker(kind, folder, "demo").log(step, {"train_kl_k1": 0.5 + step, "reward_mean": -0.25 * step})
+        time.sleep(1.0)  # W&B names an offline session's folder by the second it began: one session each
     expected = [(0, 0.5), (1, 1.5)]
     if kind == "tensorboard":
         assert tensorboard_scalars(folder)["train_kl_k1"] == expected

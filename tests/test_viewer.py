@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -36,11 +37,19 @@ def test_tokens_take_their_role_and_only_a_trained_trajectory_s_sampled_tokens_c
     assert not any(t.loss for t in token_view([1, 2], turns, False, str))
 
 
+BUILT: dict[str, Path] = {}  # the fixture's run as built
+
+
 @pytest.fixture
-def viewed(configure, monkeypatch, tmp_path):
+def viewed(configure, monkeypatch, tmp_path, tmp_path_factory):
     """One trained step of a run whose branches call the tool (q + g) % 3 times; its page, written by the command."""
     settings = configure("viewed", trainer=TRAIN)
-    assert build_train(settings, 0, tool_policy(settings), monkeypatch)
+    if "run" in BUILT:  # built once per session: each test gets its own copy
+        shutil.copytree(BUILT["run"], settings.run_dir)
+    else:
+        assert build_train(settings, 0, tool_policy(settings), monkeypatch)
+        BUILT["run"] = tmp_path_factory.mktemp("viewed-run") / "viewed"
+        shutil.copytree(settings.run_dir, BUILT["run"])
     page = tmp_path / "step0.html"
     command = [sys.executable, "-m", "retool", "view", str(settings.run_dir), "--step", "0", "--out", str(page)]
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from retool.evaluation.report import make_report
-from retool.evaluation.viewer import write_page
+from retool.evaluation.viewer import PageFiles, write_page
 from retool.files.layout import TRAJECTORIES_FILE, VIEW, RunFolder
 from retool.run.setup import recorded_settings
 from retool.run.shared import token_decoder
@@ -25,7 +25,8 @@ def main() -> None:
     if scored:  # the newest step's trajectories as a page beside the report, which links it
         out.mkdir(parents=True, exist_ok=True)
         decode = token_decoder(recorded_settings(args.run).model)
-        write_page(RunFolder(args.run).step(max(scored)), f"{args.run.name}: step {max(scored)}", decode, out / VIEW)
+        last = PageFiles.of(RunFolder(args.run).step(max(scored)))
+        write_page(last, f"{args.run.name}: step {max(scored)}", decode, out / VIEW)
     print(make_report(args.run, out, view=VIEW if scored else ""))
 
 
