@@ -28,7 +28,8 @@ print(os.environ.get("WANDB_SILENT"), os.environ.get("HF_HUB_DISABLE_PROGRESS_BA
 
 @pytest.mark.parametrize("debug", [False, True])
 def test_library_warnings_and_native_lines_go_to_the_run_s_logs(tmp_path, debug):
-    environment = {key: value for key, value in os.environ.items() if key != "RETOOL_DEBUG"}
+    set_here = ("RETOOL_DEBUG", "WANDB_SILENT", "HF_HUB_DISABLE_PROGRESS_BARS")  # by this process's earlier runs too
+    environment = {key: value for key, value in os.environ.items() if key not in set_here}
     if debug:
         environment["RETOOL_DEBUG"] = "1"
     done = subprocess.run(
