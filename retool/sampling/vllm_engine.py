@@ -106,7 +106,7 @@ class VLLMSampler:
         if device == "cpu":
             for name, value in CPU_ENVIRONMENT.items():
                 os.environ.setdefault(name, value)
-        from vllm import LLM
+        import vllm  # noqa: F401  (loaded, with the environment above, before its logging is set below)
 
         vllm_logs_to(log_path)
         self.model_path = Path(model_path)
@@ -137,8 +137,7 @@ class VLLMSampler:
         self.device, self.options = device, dict(max_model_len=max_model_len, seed=0, **options)
         self.weights = Path(weights) if weights is not None else self.model_path  # the full weights it holds now
         self.log_path = log_path
-        with native_stderr_to(log_path):
-            self.llm = LLM(model=str(self.weights), tokenizer=str(self.model_path), **self.options)
+        self.llm = self._new_llm(self.weights)
         self.policy: Policy | None = None  # the policy sampled from; None = the model above
         self.lora_request = None  # the adapter every request is sampled with, if any
         self._lora_ids = 0  # adapters served so far: each gets a new id
@@ -160,12 +159,16 @@ class VLLMSampler:
             gc.collect()
 
     def _start_engine(self, weights: Path) -> None:
+        self._stop_engine()
+        self.llm = self._new_llm(weights)
+        self.weights = weights
+
+    def _new_llm(self, weights: Path):
+        """An engine on `weights`; what its start writes below Python goes to the engine's log."""
         from vllm import LLM
 
-        self._stop_engine()
         with native_stderr_to(self.log_path):
-            self.llm = LLM(model=str(weights), tokenizer=str(self.model_path), **self.options)
-        self.weights = weights
+            return LLM(model=str(weights), tokenizer=str(self.model_path), **self.options)
 
     def sleep(self) -> None:
         """Gives the memory back to a training step in this process. On a GPU, vLLM's sleep mode: level 1 under
