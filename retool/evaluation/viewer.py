@@ -66,11 +66,9 @@ class PageFiles:
     @classmethod
     def of(cls, folder: StepFolder) -> PageFiles:
         """The files of a step's or an evaluation's folder as found on disk."""
-        rounds = [
-            RoundPaths(r / layout.SAMPLES_FILE, r / layout.OBSERVATIONS_FILE) for r in folder.path.glob(layout.ROUNDS)
-        ]
+        rounds = [RoundPaths(r / layout.SAMPLES_FILE, r / layout.OBSERVATIONS_FILE) for r in folder.round_folders()]
         datums = folder.datums if folder.datums.is_file() else None
-        return cls(folder.prompts, sorted(rounds, key=lambda r: r.samples), folder.trajectories, datums)
+        return cls(folder.prompts, rounds, folder.trajectories, datums)
 
 
 def write_page(files: PageFiles, title: str, decode: Callable[[int], str], out: Path) -> int:
