@@ -7,12 +7,12 @@ import luigi
 import pipeline.tasks
 import retool.sampling.engines
 from pipeline import ScoreTrajectories
-from retool.run.shared import step_examples
-from tests.policies import branching_tools
+from tests.policies import branching_tools, drawn_examples
 
 
 def batch(settings, step):
-    return step_examples(settings, step, None)
+    """The questions of training step `step`, read from its prompts.parquet."""
+    return drawn_examples(settings, step)
 
 
 def tool_policy(settings, _step=None):

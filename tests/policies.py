@@ -2,9 +2,26 @@
 
 from __future__ import annotations
 
-from retool.run.shared import protocol_for, step_examples
+from functools import lru_cache
+from pathlib import Path
+
+from retool.files.layout import RunFolder
+from retool.files.tables import PROMPTS, read_table
+from retool.rollout.rows import example_of
+from retool.run.shared import protocol_for
 from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import scripted, tool_call_text
+
+
+def drawn_examples(settings, step):
+    """The questions training step `step` rolls out, as its prompts.parquet records them (whatever the draw)."""
+    path = RunFolder(settings.run_dir).step(step).prompts
+    return _examples_in(path, path.stat().st_mtime_ns) if path.exists() else []
+
+
+@lru_cache(maxsize=64)
+def _examples_in(path: Path, _version: int) -> list:
+    return [example_of(row) for row in read_table(path, PROMPTS).sort_by("question_index").to_pylist()]
 
 
 def branching_tools(settings):
@@ -15,7 +32,7 @@ def branching_tools(settings):
     def choose(question, group, turn, step):
         if turn < (question + group) % 3:
             return tool_call_text(f"print({question} * 10 + {turn})\n{question} ** {turn + 2}", protocol.tool_format)
-        examples = step_examples(settings, step, None) if step >= 0 else []
+        examples = drawn_examples(settings, step) if step >= 0 else []
         answer = examples[question].answer if question < len(examples) else "?"  # an evaluation: any answer
         return f"So the result is \\boxed{{{answer if group % 2 == 0 else -1}}}."
 
@@ -31,7 +48,7 @@ def some_groups_agree(settings):
         if turn == 0:
             return tool_call_text(f"print({question})", protocol.tool_format)
         right = question % 4 == 0 or (question % 4 > 1 and group % 2 == 0)
-        answer = step_examples(settings, step, None)[question].answer
+        answer = drawn_examples(settings, step)[question].answer
         return f"So the result is \\boxed{{{answer if right else -1}}}."
 
     return ScriptedSampler(scripted(protocol, choose))

@@ -72,7 +72,8 @@ def test_a_step_reads_the_newest_finished_steps_and_draws_shuffled_without_them(
     assert list(history_steps(settings, 0)) == [] and list(history_steps(settings, 5)) == [2, 3, 4]
     lagged = settings.changed(rollout={"max_staleness": 1})
     assert list(history_steps(lagged, 5)) == [1, 2, 3]  # step 4 still samples while step 5 does
-    assert list(history_steps(RunSettings(), 5)) == []  # the shuffled walk reads nothing
+    shuffled = RunSettings().changed(data={"draw": "shuffled"})
+    assert list(history_steps(shuffled, 5)) == []  # the shuffled walk reads nothing
     with pytest.raises(SettingsError, match=r"\[data\] draw"):
         RunSettings().changed(data={"draw": "hard"})
 

@@ -73,8 +73,8 @@ class DataConfig:
     questions_drawn: int = 0
     # How a step's questions are chosen: shuffled (the next batch of a walk through the shuffled data) | frontier
     # (drawn by the pass rates earlier steps' trajectories show, favouring groups likely to disagree; see
-    # retool/data/frontier.py). The draw and its reason are in prompts.parquet.
-    draw: str = "shuffled"
+    # retool/data/frontier.py; measured in docs/training.md). The draw and its reason are in prompts.parquet.
+    draw: str = "frontier"
     frontier_steps: int = 8  # frontier: the earlier steps whose trajectories it reads (the newest finished ones)
     frontier_floor: float = 0.05  # frontier: the least draw weight, so no question is never drawn again
 
