@@ -58,13 +58,14 @@ def step_of(request) -> int:
 
 def scripted(protocol: ChatProtocol, choose, close: bool = True):
     """A script for ScriptedSampler from `choose(question_index, group_index, turn) -> text`, or
-    `choose(question_index, group_index, turn, step)` when it takes four arguments."""
-    takes_step = choose.__code__.co_argcount == 4
+    `choose(question_index, group_index, turn, step)` when it takes four arguments, or
+    `choose(question_index, group_index, turn, step, prompt)` (the prompt's text) when it takes five."""
+    takes = choose.__code__.co_argcount
 
     def script(request, index):
-        where = (request.question_index, request.group_indices[index], turn_of(request)) + (
-            (step_of(request),) if takes_step else ()
-        )
+        where = (request.question_index, request.group_indices[index], turn_of(request))
+        where += (step_of(request),) if takes >= 4 else ()
+        where += (protocol.tokenizer.decode(request.prompt_tokens),) if takes == 5 else ()
         return completion(protocol, choose(*where), close=close)
 
     return script

@@ -110,7 +110,12 @@ def checkout(tmp_path, tiny_model_dir):
 @pytest.mark.slow
 def test_every_command_shown_runs_as_written(checkout):
     folder, environment = checkout
-    shown = [(page, command) for page in PAGES for command in shown_commands(page) if not not_here(command)]
+    # A command shown on two pages runs once (again, it finds its outputs complete): under the first page.
+    first_page = {}
+    for page in PAGES:
+        for command in shown_commands(page):
+            first_page.setdefault(command, page)
+    shown = [(page, command) for command, page in first_page.items() if not not_here(command)]
     # Writing the shipped data sets again replaces the shortened ones: last.
     shown.sort(key=lambda shown: "retool synthetic" in shown[1])
     failed = []
