@@ -15,6 +15,14 @@ from retool.weights.models import DEFAULT_MODEL_DIR, build_default_model, build_
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_collection_modifyitems(items):
+    """A test that needs vLLM starts an engine: it belongs to the end-to-end tier (`make test-all`), whose tests
+    carry the `slow` mark that `make test` leaves out."""
+    for item in items:
+        if item.get_closest_marker("vllm") and not item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def no_trainer_held_between_tests():
     """A test's run leaves no trainer state in the process for the next test (nor a full save at exit)."""

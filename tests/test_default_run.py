@@ -1,6 +1,9 @@
-"""The default CPU run (configs/cpu.cfg, the command `make run` gives) end to end, shortened: the real
-model, its cold start, two RL steps that both update, and the before/after table on 12 held-out questions (the
-evaluation set takes the three family roles in turn: 4 of each)."""
+"""The default CPU run (configs/cpu.cfg, the command `make run` gives) end to end, shortened: its cold start, two RL
+steps that both update, and the before/after table on 6 held-out questions (the evaluation set takes the three
+family roles in turn: 2 of each). It needs the real model: whether the default trains (the cold start teaches the
+tool, every step's groups disagree so that there is a gradient, every update moves the policy) is a property of
+the embedded model and its data, which no random-weight model has. How well RL keeps the format is measured
+by `python -m bench learning`, not here: a quality figure on a few questions is noise, not a correctness check."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ if not os.environ.get("RETOOL_REQUIRE_VLLM"):
 
 def test_the_default_run_cold_starts_updates_every_step_and_compares(tmp_path, default_model_dir):
     heldout = tmp_path / "heldout.jsonl"
-    heldout.write_text("".join((REPO / "data/synthetic_eval.jsonl").read_text().splitlines(keepends=True)[:12]))
+    heldout.write_text("".join((REPO / "data/synthetic_eval.jsonl").read_text().splitlines(keepends=True)[:6]))
     command = [
         sys.executable,
         "-m",
@@ -64,18 +67,18 @@ def test_the_default_run_cold_starts_updates_every_step_and_compares(tmp_path, d
     # The sampler serves the policy the trainer holds (both bfloat16 on a CPU that has it natively, else float32).
     assert max(metrics["train_logprob_gap"]) < 0.05
     assert all(metrics["train_kl_k3"] > 0) and all(metrics["train_entropy"] > 0)  # the drift of every update
-    assert metrics["code_calls"].min() > 0.5  # the cold start taught the tool
+    assert all(metrics["train_loss_tokens"] > 0) and all(metrics["train_grad_norm"] > 0)  # a gradient every step
+    assert all(metrics["zero_variance_group_rate"] < 1)  # some group of every step disagrees: a reward to move
+    assert metrics["code_calls"].min() > 0.5 and metrics["format"].min() > 0  # the cold start taught the protocol
 
     (table_path,) = run.glob("eval/heldout-*/retool-n2/before_after-step=0001.md")  # the file's name and content
     table = table_path.read_text()
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.splitlines()[2:11]]
     assert [row[1] for row in rows] == ["base", "SFT", "RL step 1"] * 3
     assert [rows[i][0].split(" (")[0] for i in (0, 3, 6)] == ["sft families", "rl families", "held-out families"]
-    sft, rl = (
-        pl.read_parquet(next(run.glob(f"eval/heldout-*/retool-n2/checkpoint={s}/summary.parquet")))
-        for s in ("sft", "step0001")
-    )
-    assert rl["format"][0] >= sft["format"][0] - 0.2  # RL keeps the answer format the cold start taught
+    for checkpoint in ("base", "sft", "step0001"):  # each evaluated checkpoint's summary, on the 6 questions
+        (summary,) = run.glob(f"eval/heldout-*/retool-n2/checkpoint={checkpoint}/summary.parquet")
+        assert pl.read_parquet(summary)["questions"].sum() == 6, checkpoint
     assert "rl families: RL step 1 - SFT" in table and "held-out families: RL step 1 - base" in table
     assert table in result.stdout
     assert (run / "report" / "step=0001" / "diagnostics.png").exists()

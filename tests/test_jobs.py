@@ -12,6 +12,7 @@ from types import CodeType
 
 import luigi
 import pyarrow.parquet as pq
+import pytest
 
 import retool.sampling.engines
 from pipeline import BeforeAfter, BuildDatums, Report, SampleRound, TrainStep
@@ -52,6 +53,7 @@ def without_timings(path: Path):
     return table.drop_columns([c for c in table.column_names if any(t in c for t in TIMED)])
 
 
+@pytest.mark.slow
 def test_every_job_runs_with_only_the_files_its_task_requires(configure, monkeypatch, tmp_path):
     sections = dict(
         cold_start={"data": str(REPO / "data/synthetic_sft.jsonl"), "steps": 2, "batch_size": 2, "lora_rank": 0},

@@ -105,6 +105,7 @@ def test_each_row_records_the_checkpoint_that_sampled_it(configure, monkeypatch)
         assert all(set(table.column("policy_step").to_pylist()) <= {policy} for table in tables), step
 
 
+@pytest.mark.slow
 def test_a_lagged_run_samples_the_next_step_while_one_trains_and_a_killed_run_repeats_it(tiny_model_dir, tmp_path):
     """max_staleness = 1, the command with two Luigi workers (in a process of its own, as users run it: a forked
     worker of a process that has computed with torch may hang): step 2's rounds sample while step 1 trains (the

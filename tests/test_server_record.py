@@ -4,6 +4,7 @@ engines has its own GPUs, and a step's shards sample through all of them."""
 
 from __future__ import annotations
 
+import os
 import socket
 
 import luigi
@@ -37,8 +38,8 @@ def test_a_port_in_use_is_refused_naming_it_and_its_holder(settings):
         holder.bind(("127.0.0.1", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        with pytest.raises(
-            SettingsError, match=rf"server_port = {port}: the port {port} is in use by pid \d+ \(.*python"
+        with pytest.raises(  # the holder is this process, named by its command line (pytest-xdist retitles it)
+            SettingsError, match=rf"server_port = {port}: the port {port} is in use by pid {os.getpid()} \(.+\)"
         ):
             start_server(settings, port, settings.run_dir / "server.log")
     assert not (settings.run_dir / "server.log").exists()  # nothing was started
