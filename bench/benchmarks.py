@@ -16,7 +16,7 @@ from retool.config.sandbox import SandboxConfig
 from retool.config.settings import RunSettings, setting_fields
 from retool.protocol.chat import BUNDLED_TEMPLATE
 from retool.protocol.tool_calls import tool_call_text
-from retool.rollout.state import rollout_in_memory
+from retool.rollout.in_memory import rollout_in_memory
 from retool.run.shared import protocol_for, sandbox_for, step_examples
 from retool.sampling.contract import SampleRequest, SamplingSettings
 from retool.sampling.engines import sampler_for

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench.benchmarks import REPO, default_run_settings, luigi_build
 from retool.config.settings import RunSettings, setting_fields
-from retool.rollout.state import rollout_in_memory
+from retool.rollout.in_memory import rollout_in_memory
 from retool.run.shared import protocol_for, run_rl_base, sandbox_for, step_examples
 from retool.sampling.server import start_server, stop_server
 from retool.sandbox.call import Sandbox

@@ -1,7 +1,6 @@
 """The settings' sections as Luigi config classes: [rollout] group_size in luigi.cfg, or
 --rollout-group-size on the command line. One class per RunSettings section, one parameter per field."""
 
-import difflib
 import json
 import re
 from dataclasses import MISSING, asdict, fields
@@ -11,6 +10,8 @@ import luigi
 import luigi.cmdline_parser
 import luigi.task_register
 
+from retool.config.files import KINDS, check_setting_names
+from retool.config.files import check_sections as check_setting_sections
 from retool.config.settings import RunSettings, SettingsError, setting_fields
 from retool.evaluation.spec import EvalSpec
 
@@ -51,31 +52,16 @@ def current_settings() -> RunSettings:
     return _settings(sections, tuple(parser.sections()), id(luigi.cmdline_parser.CmdlineParser.get_instance()))
 
 
-# Sections Luigi and its contrib modules read from the config files without a Config class (luigi's docs,
-# "Configuration"); the others are the registered Config and Task classes' own.
-LUIGI_SECTIONS = (
-    "logging", "resources", "task_history", "batch_notifier", "elasticsearch", "hadoop", "hdfs", "hive",
-    "kubernetes", "mysql", "postgres", "redshift", "scalding", "spark", "webhdfs", "datadog", "bigquery", "ecs",
-)  # fmt: skip
-
-
 def check_sections(present: tuple[str, ...]) -> None:
-    """A misspelt section ([rollouts]) would be ignored, its settings left at their defaults: refused instead."""
-    known = set(luigi.task_register.Register._get_reg()) | set(LUIGI_SECTIONS) | set(SECTIONS)
-    for name in present:
-        if name not in known:
-            match = difflib.get_close_matches(name, sorted(known), n=1)
-            hint = f"; did you mean [{match[0]}]?" if match else f"; the settings' sections are {', '.join(SECTIONS)}"
-            raise SettingsError(f"unknown section [{name}] in the config files{hint}")
+    """Refuses a misspelt section; the registered tasks' and Luigi's Config classes' sections are known too."""
+    check_setting_sections(present, set(luigi.task_register.Register._get_reg()))
 
 
 @lru_cache(maxsize=8)
 def _settings(sections: tuple, present: tuple[str, ...], command_line: int) -> RunSettings:
     check_sections(present)
     for name, items in zip(SECTIONS, sections, strict=True):
-        known = [f.name for f in setting_fields(name, SECTIONS[name][0])]
-        for key in sorted({key for key, _ in items} - set(known)):
-            raise SettingsError(f"unknown setting [{name}] {key} in the config files{closest(key, known)}")
+        check_setting_names(name, [key for key, _ in items])
     values = {}
     for name, (config, luigi_class) in SECTIONS.items():
         try:
@@ -86,26 +72,17 @@ def _settings(sections: tuple, present: tuple[str, ...], command_line: int) -> R
     return RunSettings(**values)
 
 
-def closest(name: str, known: list[str]) -> str:
-    """'; did you mean group_size?' for a misspelling, else the section's names."""
-    match = difflib.get_close_matches(name, known, n=1)
-    return f"; did you mean {match[0]}?" if match else f"; its settings are {', '.join(sorted(known))}"
-
-
-KINDS = {luigi.BoolParameter: "true or false", luigi.IntParameter: "an integer", luigi.FloatParameter: "a number"}
-
-
 def _unparsable(section: str, error: ValueError) -> SettingsError:
     name = re.search(r"value of '(\w+)'", str(error))
     if name is None:
         return SettingsError(f"setting [{section}]: {error}")
     name = name.group(1)
-    parameter = getattr(SECTIONS[section][1], name)
     command_line = luigi.cmdline_parser.CmdlineParser.get_instance()
     given = getattr(command_line.known_args, f"{section}_{name}", None) if command_line else None
     if given is None:
         given = luigi.configuration.get_config().get(section, name, None)
-    return SettingsError(f"setting [{section}] {name} = {given!r}: must be {KINDS.get(type(parameter), 'valid')}")
+    default = next(f.default for f in setting_fields(section, SECTIONS[section][0]) if f.name == name)
+    return SettingsError(f"setting [{section}] {name} = {given!r}: must be {KINDS.get(type(default), 'valid')}")
 
 
 class Choice(luigi.ChoiceParameter):

@@ -18,7 +18,7 @@ from retool.config.trainer import TrainerConfig
 from retool.data.conversations import read_conversations
 from retool.data.examples import DataError
 from retool.rollout.datums import trajectory_sequence
-from retool.rollout.state import rollout_in_memory
+from retool.rollout.in_memory import rollout_in_memory
 from retool.sampling.scripted import ScriptedSampler
 from retool.sandbox.call import Sandbox
 from retool.training.cold_start import (

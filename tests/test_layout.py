@@ -31,3 +31,43 @@ def test_every_engine_implements_the_whole_sampler_protocol():
     assert set(methods) == {"sample", "use_policy", "sleep", "wake", "close"}
     for engine in (HFSampler, VLLMSampler, ServerSampler, ScriptedSampler):
         assert not [name for name in methods if not callable(getattr(engine, name, None))], engine.__name__
+
+
+# Runs `python -m retool ARGS` in a process where importing luigi, pipeline or jobs raises.
+WITHOUT_THE_TASK_LAYER = """
+import importlib.abc, runpy, sys
+
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("luigi", "pipeline", "jobs"):
+            raise ImportError(f"{name} imported by the library")
+
+sys.meta_path.insert(0, Refuse())
+sys.argv = ["retool", *sys.argv[1:]]
+runpy.run_module("retool", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_serve_reads_its_settings_without_the_task_layer(tmp_path):
+    import subprocess
+    import sys
+
+    def serve(*arguments: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-c", WITHOUT_THE_TASK_LAYER, "serve", *arguments]
+        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+    helped = serve("--help")
+    assert helped.returncode == 0 and "--run-name" in helped.stdout, helped.stderr[-2000:]
+    config = tmp_path / "bad.cfg"
+    config.write_text("[TrainStep]\nstep = 1\n[rollout]\ngroup_size = abc\n")  # a task's own section is left alone
+    refused = serve("--config", str(config))
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert refused.stderr.strip() == (
+        "python -m retool serve: setting [rollout] group_size = 'abc': must be an integer"
+    ), refused.stderr[-2000:]
+    config.write_text("[sampler]\nengine = vllm-server\n[run]\nname = served\nrunz_dir = x\n")
+    misspelt = serve("--config", str(config))
+    assert (
+        misspelt.returncode == 2
+        and "unknown setting [run] runz_dir in the config files; did you mean runs_dir?" in (misspelt.stderr)
+    ), misspelt.stderr[-2000:]

@@ -16,9 +16,9 @@ import pipeline.tasks
 import retool.sampling.engines
 from retool.evaluation.metrics import stage_timings
 from retool.files.tables import OBSERVATIONS, SAMPLES, SFT_LOSSES, TRAJECTORIES, read_table, table_from_rows
+from retool.rollout.in_memory import rollout_in_memory
 from retool.rollout.rows import observation_row
 from retool.rollout.stage_tables import trajectories_table
-from retool.rollout.state import rollout_in_memory
 from retool.run.shared import protocol_for, sandbox_for
 from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import scripted

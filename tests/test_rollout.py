@@ -7,6 +7,7 @@ import pytest
 from retool.config.rollout import RolloutConfig, sample_seed, seed_field
 from retool.data.examples import MathExample
 from retool.rollout.datums import PrefixError, build_datum, trajectory_sequence
+from retool.rollout.in_memory import rollout_in_memory
 from retool.rollout.scoring import assign_group_advantages
 from retool.rollout.state import (
     PendingExecution,
@@ -14,7 +15,6 @@ from retool.rollout.state import (
     apply_samples,
     fit_tool_content,
     plan_requests,
-    rollout_in_memory,
     sampling_settings,
     start_trajectories,
     turn_budget,

@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 from retool.config.rollout import RolloutConfig, seed_field
 from retool.data.examples import MathExample
 from retool.rollout.datums import trajectory_sequence
-from retool.rollout.state import STOP_REASONS, rollout_in_memory
+from retool.rollout.in_memory import rollout_in_memory
+from retool.rollout.state import STOP_REASONS
 from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import InstantSandbox, completion, tool_call_text
 

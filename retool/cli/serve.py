@@ -9,6 +9,7 @@ import argparse
 import signal
 import time
 
+from retool.config.files import config_files, settings_from_files
 from retool.config.settings import SettingsError
 from retool.files.layout import RunFolder
 from retool.run.setup import cpu_server_limit
@@ -24,22 +25,15 @@ def stop_on_signal(signum, frame) -> None:
 
 
 def main() -> None:
-    import luigi
-
-    from pipeline.config import current_settings
-
     parser = argparse.ArgumentParser(prog="python -m retool serve", description=__doc__)
     parser.add_argument("--config", help="a config file layered on luigi.cfg, as LUIGI_CONFIG_PATH would be")
     parser.add_argument("--run-name", help="the run it serves (default: [run] name)")
     parser.add_argument("--port", type=int, help="port to listen on (default: [sampler] server_port)")
     args = parser.parse_args()
-    config = luigi.configuration.get_config()
-    if args.config:
-        config.add_config_path(args.config)
-    if args.run_name:
-        config.set("run", "name", args.run_name)
-    try:
-        settings = current_settings()
+    try:  # the files a luigi command of the run reads, then --config over them
+        settings = settings_from_files(
+            config_files(args.config), {"run": {"name": args.run_name}} if args.run_name else {}
+        )
     except SettingsError as error:
         parser.exit(2, f"python -m retool serve: {error}\n")
     if limit := cpu_server_limit(settings):  # said before the server starts, not when a step first samples

@@ -1,7 +1,8 @@
 """The multi-turn rollout state machine.
 
 A round is three steps over the trajectories (each updates them in place), which the pipeline runs as
-separate stages and `rollout_in_memory` in one loop; `end_step` then scores the step:
+separate stages and `rollout_in_memory` (in_memory.py) in one loop; `end_step` (scoring.py) then scores the
+step:
 
     plan_requests   live trajectories            -> sample requests (ends those without budget)
     apply_samples   trajectories + sampled turns -> pending executions (ends answers, invalid turns)
@@ -22,8 +23,7 @@ from retool.data.examples import MathExample
 from retool.data.reward import last_boxed
 from retool.protocol.chat import ChatProtocol
 from retool.protocol.tool_calls import neutralise, parse_assistant
-from retool.rollout.scoring import end_step
-from retool.sampling.contract import SampledSequence, Sampler, SampleRequest, SamplingSettings, sample_checked
+from retool.sampling.contract import SampledSequence, SampleRequest, SamplingSettings
 from retool.sandbox.call import ExecutionResult, Sandbox
 
 STOP_REASONS = (
@@ -324,30 +324,3 @@ def apply_results(
     for pending, result in zip(pendings, results, strict=True):
         content = neutralise(sandbox.observation(result), protocol.forbidden_strings)
         finish_advance(pending, result, content, protocol, config)
-
-
-def rollout_in_memory(
-    examples: Sequence[MathExample],
-    sampler: Sampler,
-    sandbox: Sandbox,
-    protocol: ChatProtocol,
-    config: RolloutConfig,
-    step: int = 0,
-    on_round: Callable[[int, Sequence[Trajectory]], None] | None = None,
-    keep_limit: int | None = None,
-) -> list[Trajectory]:
-    """The whole state machine in one process: rounds until every trajectory ends, then the end of the step
-    (`end_step`). The pipeline runs the same steps one stage at a time and must give the same result."""
-    trajectories = start_trajectories(examples, protocol, config)
-    settings = sampling_settings(config, protocol)
-    round_index = 0
-    # Each round: one batched sampling call for every live branch (round 0: one request of n per question),
-    # then the round's tool calls concurrently, then the barrier: no branch starts round r+1 before all end r.
-    while requests := plan_requests(trajectories, protocol, config, step):
-        replies = sample_checked(sampler, requests, settings)
-        pendings = apply_samples(trajectories, requests, replies, protocol, config)
-        apply_results(pendings, sandbox.run_many([p.code for p in pendings]), sandbox, protocol, config)
-        if on_round:
-            on_round(round_index, trajectories)
-        round_index += 1
-    return end_step(trajectories, keep_limit)
