@@ -3,15 +3,15 @@
 
 import json
 import re
-from dataclasses import MISSING, asdict, fields
+from dataclasses import MISSING, asdict
 from functools import lru_cache
 
 import luigi
 import luigi.cmdline_parser
 import luigi.task_register
 
-from retool.config.files import KINDS, check_setting_names
-from retool.config.files import check_sections as check_setting_sections
+from retool.config.files import KINDS, check_sections, check_setting_names
+from retool.config.files import SECTIONS as SETTING_SECTIONS
 from retool.config.settings import RunSettings, SettingsError, setting_fields
 from retool.evaluation.spec import EvalSpec
 
@@ -35,10 +35,8 @@ def _section_class(section: str, config: type) -> type:
     return type(section, (luigi.Config,), {"__module__": __name__, **parameters})
 
 
-SECTIONS = {
-    f.name: (f.default_factory, _section_class(f.name, f.default_factory))
-    for f in fields(RunSettings)  # each section's dataclass is its field's default factory
-}
+# Each settings section: its dataclass and its Luigi config class.
+SECTIONS = {name: (config, _section_class(name, config)) for name, config in SETTING_SECTIONS.items()}
 
 
 def current_settings() -> RunSettings:
@@ -52,14 +50,9 @@ def current_settings() -> RunSettings:
     return _settings(sections, tuple(parser.sections()), id(luigi.cmdline_parser.CmdlineParser.get_instance()))
 
 
-def check_sections(present: tuple[str, ...]) -> None:
-    """Refuses a misspelt section; the registered tasks' and Luigi's Config classes' sections are known too."""
-    check_setting_sections(present, set(luigi.task_register.Register._get_reg()))
-
-
 @lru_cache(maxsize=8)
 def _settings(sections: tuple, present: tuple[str, ...], command_line: int) -> RunSettings:
-    check_sections(present)
+    check_sections(present, set(luigi.task_register.Register._get_reg()))  # the registered tasks' sections too
     for name, items in zip(SECTIONS, sections, strict=True):
         check_setting_names(name, [key for key, _ in items])
     values = {}
