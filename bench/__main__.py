@@ -19,6 +19,7 @@ from bench.benchmarks import (
 )
 from bench.cluster import bench_cluster
 from bench.learning import LEARNING_SAMPLES, LEARNING_STEPS, bench_learning
+from bench.scale import bench_scale
 from bench.server import bench_server
 from bench.train_io import bench_train_io
 from retool.weights.models import build_default_model
@@ -35,6 +36,7 @@ BENCHMARKS = {
     "cluster": bench_cluster,
     "train-io": bench_train_io,
     "async": bench_async,
+    "scale": bench_scale,
 }
 
 

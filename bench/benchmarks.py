@@ -72,8 +72,11 @@ def uniform_policy(settings: RunSettings) -> ScriptedSampler:
     return _policy(settings, lambda q, g, t: 0.05)
 
 
-def luigi_build(settings: RunSettings, task: type[luigi.Task], workers: int = 1, **parameters) -> float:
-    """Runs `task` under `settings` (made after they are set: a task sets its run up when it is made)."""
+def luigi_build(
+    settings: RunSettings, task: type[luigi.Task], workers: int = 1, scheduler_port: int = 0, **parameters
+) -> float:
+    """Runs `task` under `settings` (made after they are set: a task sets its run up when it is made), with Luigi's
+    local scheduler or (`scheduler_port`) a luigid on this machine."""
     config = luigi.configuration.get_config()
     for name, section in settings.sections().items():
         if not config.has_section(name):
@@ -83,7 +86,8 @@ def luigi_build(settings: RunSettings, task: type[luigi.Task], workers: int = 1,
     luigi.task_register.Register.clear_instance_cache()
     started = time.perf_counter()
     task = task(**parameters)
-    if not luigi.build([task], local_scheduler=True, workers=workers, log_level="WARNING"):
+    scheduler = {"scheduler_host": "127.0.0.1", "scheduler_port": scheduler_port} if scheduler_port else {}
+    if not luigi.build([task], local_scheduler=not scheduler_port, workers=workers, log_level="WARNING", **scheduler):
         raise RuntimeError(f"{task} failed")
     return time.perf_counter() - started
 

@@ -25,7 +25,7 @@ def score_trajectories(
 ) -> str:
     """`shards`: every round of every shard."""
     settings = evaluation_settings(run, evaluation)
-    trajectories = replay_shards(prompts, shards, protocol_for(settings.model), settings.rollout)
+    trajectories = replay_shards(prompts, shards, protocol_for(settings.model), settings.rollout, detail="lengths")
     table = scored_table(
         trajectories, step, policy_step(run, step, evaluation), settings.data.keep_limit, settings.reward,
         settings.rollout.max_trajectory_tokens,

@@ -16,7 +16,14 @@ import pyarrow as pa
 from retool.config.sampler import engine_dtype
 from retool.config.settings import RunSettings
 from retool.config.trainer import saves_in_full
-from retool.evaluation.metrics import ROLLOUT_STAGES, TRAINING_STAGE, describe_step, stage_seconds, step_metrics
+from retool.evaluation.metrics import (
+    METRICS_COLUMNS,
+    ROLLOUT_STAGES,
+    TRAINING_STAGE,
+    describe_step,
+    stage_seconds,
+    step_metrics,
+)
 from retool.evaluation.tracking import Tracker, scalars
 from retool.files.layout import RunFolder
 from retool.files.tables import OBSERVATIONS, TRAJECTORIES, read_table, write_table_atomically
@@ -132,7 +139,7 @@ def write_metrics(
     metrics = step_metrics(
         step,
         read_table(trajectories, TRAJECTORIES),
-        pa.concat_tables([read_table(path, OBSERVATIONS) for path in observations]),
+        pa.concat_tables([read_table(path, OBSERVATIONS, METRICS_COLUMNS) for path in observations]),
         training,
         {**{stage: seconds.get(stage, 0.0) for stage in ROLLOUT_STAGES}, TRAINING_STAGE: training.seconds},
     )

@@ -44,6 +44,9 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+METRICS_COLUMNS = ("kind", "exec_status", "exec_seconds")  # of observations.parquet: what step_metrics reads
+
+
 def step_metrics(
     step: int, trajectories: pa.Table, observations: pa.Table, training: StepMetrics, seconds: dict[str, float]
 ) -> dict:

@@ -173,19 +173,27 @@ def _timed(function):
 
 
 @functools.lru_cache(maxsize=16)  # about one step's files of one shard
-def _read_published(path: str, inode: int, mtime_ns: int, size: int) -> pa.Table:
+def _read_published(path: str, inode: int, mtime_ns: int, size: int, columns: tuple[str, ...] | None) -> pa.Table:
     """Files are only ever replaced whole (a new inode), so a version read once is reused: each
     stage replays its shard from every earlier round file, and a process runs many stages."""
+    if columns is not None:
+        present = set(pq.read_schema(path).names)
+        return pq.read_table(path, columns=[name for name in columns if name in present])  # added later: below
     return pq.read_table(path)
 
 
 @_timed
-def read_table(path: str | Path, schema: pa.Schema) -> pa.Table:
-    """Reads a file the pipeline wrote; a truncated or foreign file is an error naming it."""
+def read_table(path: str | Path, schema: pa.Schema, columns: Sequence[str] | None = None) -> pa.Table:
+    """Reads a file the pipeline wrote (only `columns` of its schema, when given); a truncated or foreign file
+    is an error naming it."""
     path = Path(path)
+    if columns is not None:
+        schema = pa.schema([schema.field(name) for name in columns])
     try:
         version = path.stat()
-        table = _read_published(str(path), version.st_ino, version.st_mtime_ns, version.st_size)
+        table = _read_published(
+            str(path), version.st_ino, version.st_mtime_ns, version.st_size, None if columns is None else tuple(columns)
+        )
     except Exception as error:  # pyarrow raises several types for damaged files
         raise TableError(f"{path}: not a readable Parquet file ({error}); delete it and re-run its stage") from None
     for name in ADDED_LATER & set(schema.names) - set(table.schema.names):  # a file written before the column was

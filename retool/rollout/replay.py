@@ -6,8 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from retool.config.rollout import RolloutConfig
 from retool.files.layout import RoundPaths
@@ -57,16 +59,60 @@ def replay(
     return trajectories
 
 
+TOKEN_COLUMNS = ("prompt_tokens", "completion_tokens", "logprobs")  # of samples.parquet
+
+Detail = Literal["tokens", "lengths", "state"]
+"""What a replay reads of the earlier rounds' tokens: every turn's (BuildDatums); only their counts (scoring); or
+none but the next prompts, from the last round's observations (a round's stages: what they sample from and
+extend). A round then reads each earlier round's small columns, and the tokens of none of them."""
+
+
 def replay_files(
-    prompts: Path, rounds: Sequence[RoundPaths], protocol: ChatProtocol, config: RolloutConfig, shard: int = 0
+    prompts: Path,
+    rounds: Sequence[RoundPaths],
+    protocol: ChatProtocol,
+    config: RolloutConfig,
+    shard: int = 0,
+    detail: Detail = "tokens",
 ) -> list[Trajectory]:
     """`replay` of the files at these paths: a shard's prompts and its first rounds, in order."""
-    tables = [RoundFiles(read_table(r.samples, SAMPLES), read_table(r.observations, OBSERVATIONS)) for r in rounds]
+    tables = [
+        RoundFiles(
+            _samples(paths.samples, detail), _observations(paths.observations, detail, last=number == len(rounds))
+        )
+        for number, paths in enumerate(rounds, start=1)
+    ]
     return replay(read_table(prompts, PROMPTS), tables, protocol, config, shard)
 
 
+def _samples(path: Path, detail: Detail) -> pa.Table:
+    if detail == "tokens":
+        return read_table(path, SAMPLES)
+    small = [name for name in SAMPLES.names if name not in TOKEN_COLUMNS]
+    if detail == "state":
+        return read_table(path, SAMPLES, small)
+    table = read_table(path, SAMPLES, [*small, "prompt_tokens", "completion_tokens"])
+    return (
+        table.select(small)
+        .append_column("prompt_length", pc.list_value_length(table["prompt_tokens"]))
+        .append_column("completion_length", pc.list_value_length(table["completion_tokens"]))
+    )
+
+
+def _observations(path: Path, detail: Detail, last: bool) -> pa.Table:
+    if detail == "tokens" or (detail == "state" and last):
+        return read_table(path, OBSERVATIONS)
+    return read_table(path, OBSERVATIONS, [name for name in OBSERVATIONS.names if name != "next_prompt_tokens"])
+
+
 def replay_shards(
-    prompts: Path, shards: Sequence[Sequence[RoundPaths]], protocol: ChatProtocol, config: RolloutConfig
+    prompts: Path,
+    shards: Sequence[Sequence[RoundPaths]],
+    protocol: ChatProtocol,
+    config: RolloutConfig,
+    detail: Detail = "tokens",
 ) -> list[Trajectory]:
     """Every shard's trajectories after all of its rounds (`shards[s]`: shard s's rounds, in order)."""
-    return [t for shard, rounds in enumerate(shards) for t in replay_files(prompts, rounds, protocol, config, shard)]
+    return [
+        t for shard, rounds in enumerate(shards) for t in replay_files(prompts, rounds, protocol, config, shard, detail)
+    ]

@@ -7,7 +7,6 @@ from __future__ import annotations
 from retool.data.examples import MathExample
 from retool.data.frontier import Draw
 from retool.protocol.chat import ChatProtocol
-from retool.rollout.datums import trajectory_sequence
 from retool.rollout.state import AssistantTurn, ToolCall, Trajectory
 from retool.sampling.contract import SampledSequence, SampleRequest
 
@@ -63,10 +62,12 @@ def sample_row(
 
 
 def turn_of(row: dict) -> AssistantTurn:
-    """The turn as recorded before it was parsed (its kind and call come from the round's observations)."""
+    """The turn as recorded before it was parsed (its kind and call come from the round's observations). A row
+    read without the token columns gives a turn without tokens, and with their lengths where it has them."""
     return AssistantTurn(
-        row["prompt_tokens"], row["completion_tokens"], row["logprobs"], row["text"], row["finish_reason"], row["seed"]
-    )
+        row.get("prompt_tokens"), row.get("completion_tokens"), row.get("logprobs"), row["text"], row["finish_reason"],
+        row["seed"], prompt_length=row.get("prompt_length"), completion_length=row.get("completion_length"),
+    )  # fmt: skip
 
 
 def sequence_of(row: dict) -> SampledSequence:
@@ -113,7 +114,7 @@ def restore_observation(trajectory: Trajectory, row: dict, protocol: ChatProtoco
             if not row["done"]:  # executed and appended
                 trajectory.messages.append(protocol.tool_message(row["tool_content"], row["call_id"]))
     trajectory.code_calls = row["code_calls"]
-    trajectory.next_prompt_tokens = row["next_prompt_tokens"]
+    trajectory.next_prompt_tokens = row.get("next_prompt_tokens")  # read from the last round only (see replay)
     if row["done"]:
         trajectory.done, trajectory.stop_reason, trajectory.final_text = True, row["stop_reason"], row["final_text"]
 
@@ -122,7 +123,7 @@ def restore_observation(trajectory: Trajectory, row: dict, protocol: ChatProtoco
 
 
 def trajectory_row(trajectory: Trajectory, step: int, policy_step: int) -> dict:
-    sequence = trajectory_sequence(trajectory)
+    """From the turns' lengths: scoring replays no token (BuildDatums checks that each prompt extends the last)."""
     return {
         "step": step,
         "question_index": trajectory.question_index,
@@ -143,8 +144,8 @@ def trajectory_row(trajectory: Trajectory, step: int, policy_step: int) -> dict:
         "advantage": trajectory.advantage,
         "kept": trajectory.kept,
         "masked": trajectory.masked,
-        "trajectory_tokens": len(sequence.tokens),
-        "sampled_tokens": sum(sequence.is_action),
+        "trajectory_tokens": trajectory.num_tokens(),
+        "sampled_tokens": trajectory.sampled_tokens(),
         "policy_step": policy_step,
     }
 

@@ -35,7 +35,7 @@ def shaped_reward(trajectory: Trajectory, reward: RewardConfig, max_tokens: int)
         shaped = min(reward.wrong_answer_cap, shaped + reward.wrong_answer_call_credit * trajectory.code_calls)
     shaped += reward.valid_call_bonus * trajectory.valid_code_calls()
     if reward.overlong == "penalty":
-        shaped += overlong_penalty(len(trajectory.token_ids()), max_tokens, reward.overlong_buffer_tokens)
+        shaped += overlong_penalty(trajectory.num_tokens(), max_tokens, reward.overlong_buffer_tokens)
     return shaped
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from retool.config.reward import RewardConfig
 from retool.config.rollout import RolloutConfig
@@ -144,6 +145,11 @@ def datums_table(
     )
     rows = [datum_row(datum, step, policy_step) for datum in build_datums(ordered, trainer_max_tokens)]
     return table_from_rows(rows, DATUMS)
+
+
+def in_question_order(table: pa.Table) -> pa.Table:
+    """The rows of a table with one row per branch (e.g. every shard's datums), by question, then branch."""
+    return table.take(pc.sort_indices(table, [("question_index", "ascending"), ("group_index", "ascending")]))
 
 
 # One-line summaries of each stage's output, for the log.

@@ -50,14 +50,20 @@ class ToolCall:
 
 @dataclass
 class AssistantTurn:
-    prompt_tokens: list[int]  # P(i): the full model input of this turn
-    completion_tokens: list[int]  # C(i): the sampler's tokens
-    logprobs: list[float]  # L(i): the sampler's logprob of each token of C(i)
+    prompt_tokens: list[int] | None  # P(i): the full model input of this turn (None: replayed without tokens)
+    completion_tokens: list[int] | None  # C(i): the sampler's tokens (None: replayed without tokens)
+    logprobs: list[float] | None  # L(i): the sampler's logprob of each token of C(i) (None: likewise)
     text: str  # decoded from C(i), stripped; what the protocol parses
     finish_reason: str  # stop | length
     seed: int  # the sampling seed of this turn
     kind: str = ""  # tool | answer | invalid, filled right after the turn is recorded
     tool_call: ToolCall | None = None  # the executed call, when there was one
+    prompt_length: int | None = None  # len(P(i)), also where only the lengths were replayed (None: not replayed)
+    completion_length: int | None = None  # len(C(i)), likewise
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens is not None:
+            self.prompt_length, self.completion_length = len(self.prompt_tokens), len(self.completion_tokens)
 
 
 @dataclass
@@ -90,6 +96,16 @@ class Trajectory:
     def valid_code_calls(self) -> int:
         """Code calls that ran without an error or a timeout."""
         return sum(turn.tool_call is not None and turn.tool_call.status == "ok" for turn in self.turns)
+
+    def num_tokens(self) -> int:
+        """len(token_ids()), from the turns' lengths alone."""
+        if not self.turns:
+            return len(self.next_prompt_tokens or [])
+        return self.turns[-1].prompt_length + self.turns[-1].completion_length
+
+    def sampled_tokens(self) -> int:
+        """The tokens the model sampled: every turn's completion."""
+        return sum(turn.completion_length for turn in self.turns)
 
     def token_ids(self) -> list[int]:
         """The whole sequence: the last prompt plus the last completion."""

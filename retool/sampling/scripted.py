@@ -20,7 +20,8 @@ class ScriptedSampler:
 
     script: Script
     seconds_per_token: float = 0.0  # simulated decode latency
-    requests: list[SampleRequest] = field(default_factory=list)  # every request seen, in order
+    requests: list[SampleRequest] = field(default_factory=list)  # every request seen, in order (if keep_requests)
+    keep_requests: bool = True  # False at scale: the requests hold every prompt's tokens
     policy: Policy | None = None  # the policy it was last switched to (it replays the same script for any)
 
     def use_policy(self, policy: Policy | None, in_memory: Mapping[str, Any] | None = None) -> None:
@@ -38,7 +39,8 @@ class ScriptedSampler:
     def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
         replies = []
         for request in requests:
-            self.requests.append(request)
+            if self.keep_requests:
+                self.requests.append(request)
             sequences = []
             for index in range(request.num_samples):
                 tokens, logprobs = (list(values) for values in self.script(request, index))

@@ -21,7 +21,9 @@ class MicroBatch:
 
 def pack_micro_batches(lengths: Sequence[int], max_items: int, max_padded_tokens: int) -> list[MicroBatch]:
     """First-fit decreasing: longest first, each into the first batch where it still fits both
-    bounds (rows padded to the batch's longest). A datum longer than the token bound gets its own."""
+    bounds (rows padded to the batch's longest). A datum longer than the token bound gets its own.
+    Longest first, a batch's width is its first datum's, so whether it takes one more no longer depends on
+    which: a batch that refuses one is full for good, and the first that fits is always the newest (linear time)."""
     if max_items <= 0 or max_padded_tokens <= 0:
         raise ValueError(
             f"micro-batch bounds must be positive, got max_items={max_items}, max_padded_tokens={max_padded_tokens}"
@@ -29,12 +31,8 @@ def pack_micro_batches(lengths: Sequence[int], max_items: int, max_padded_tokens
     bins: list[list[int]] = []
     widths: list[int] = []
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        for number, members in enumerate(bins):
-            width = max(widths[number], lengths[index])
-            if len(members) < max_items and width * (len(members) + 1) <= max_padded_tokens:
-                members.append(index)
-                widths[number] = width
-                break
+        if bins and len(bins[-1]) < max_items and widths[-1] * (len(bins[-1]) + 1) <= max_padded_tokens:
+            bins[-1].append(index)
         else:
             bins.append([index])
             widths.append(lengths[index])

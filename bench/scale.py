@@ -1,0 +1,385 @@
+"""`python -m bench scale`: the pipeline's own cost as a step grows, from 64 to 8192 trajectories.
+
+The real Luigi tasks, files, rollout, scoring, datum and packing code run one RL step whose sampler costs nothing
+(a script that returns trajectories shaped like ReTool's: `Shape`) and whose tool calls cost nothing (a stand-in
+that returns what the real sandbox would print for the scripted code). The trainer only plans the step: it reads
+the datums as the trainer does and packs them into micro-batches. Every stage's process is measured from inside
+(Luigi's events, in each worker process): seconds, peak resident memory (VmHWM, reset at the stage's start), bytes
+read and written (/proc/self/io), files written; and the command's scheduling (tasks, seconds outside stages)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import re
+import resource
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import luigi
+
+from bench.benchmarks import REPO, luigi_build
+from retool.config.rollout import seed_field
+from retool.config.settings import RunSettings
+from retool.protocol.chat import BUNDLED_TEMPLATE
+from retool.protocol.tool_calls import tool_call_text
+from retool.run.shared import protocol_for, step_examples
+from retool.sampling.contract import SampleRequest
+from retool.sampling.scripted import ScriptedSampler
+from retool.sandbox.call import ExecutionResult, observation_text
+from retool.weights.models import DEFAULT_MODEL_DIR
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A trajectory as the script draws it, per branch from (question, branch): ReTool's published runs on a small
+    scale (their trajectories run to 8-16k tokens; `turn_tokens` scales every turn)."""
+
+    call_weights: tuple[float, ...] = (0.15, 0.25, 0.25, 0.15, 0.1, 0.1)  # P(k tool calls before the last turn)
+    turn_tokens: int = 320  # median tokens of an assistant turn (log-normal)
+    turn_sigma: float = 0.5  # log-normal sigma of a turn's length
+    output_items: int = 12  # median numbers a tool call prints (a few tokens each)
+    invalid: float = 0.05  # the last turn neither calls nor answers
+    overlong: float = 0.05  # the last turn runs past max_assistant_tokens without an answer
+    keeps_calling: float = 0.10  # calls until max_code_calls ends it
+
+
+SHAPE = Shape()
+
+# The GPU recipe's budgets (luigi.cfg's [rollout] with up to 6 tool turns), sized for the shape above.
+ROLLOUT = {
+    "max_code_calls": 5,
+    "max_assistant_turns": 6,
+    "max_trajectory_tokens": 16384,
+    "max_assistant_tokens": 2048,
+    "max_tool_response_tokens": 512,
+    "trainer_max_tokens": 16384,
+}
+GROUP = 16  # samples per question, as the recipes draw them
+SIZES = ((64, 1), (256, 4), (1024, 16), (4096, 64), (8192, 64))  # (trajectories, shards) of each measured step
+
+
+def settings_for(workdir: Path, name: str, trajectories: int, shards: int, shape: Shape = SHAPE) -> RunSettings:
+    return RunSettings().changed(
+        run={"name": name, "runs_dir": str(workdir), "device": "cpu", "tracker": "none"},
+        model={"name": str(DEFAULT_MODEL_DIR), "chat_template": str(BUNDLED_TEMPLATE)},
+        data={"train": str(REPO / "data/synthetic_train.jsonl"), "questions_per_step": trajectories // GROUP},
+        rollout={**ROLLOUT, "group_size": GROUP, "shards": shards},
+        sampler={"engine": "scripted:bench.scale:retool_shaped_policy"},
+        trainer={"micro_batch_tokens": 16384, "micro_batch_items": 8},
+    )
+
+
+# -- the scripted sampler ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Branch:
+    calls: int  # tool calls before the last turn
+    turn_lengths: tuple[int, ...]  # tokens of each turn's reasoning, before its call or answer
+    outputs: tuple[int, ...]  # numbers each call prints
+    ending: str  # answer | invalid | overlong | keeps_calling
+    correct: bool  # an answer turn gives the reference answer
+
+
+@lru_cache(maxsize=None)
+def branch_of(question: int, branch: int, shape: Shape = SHAPE) -> Branch:
+    rng = random.Random(question * 1_000_003 + branch)
+    skill = random.Random(question).random()  # the question's pass rate: groups of every mix
+    calls = rng.choices(range(len(shape.call_weights)), shape.call_weights)[0]
+    lengths = tuple(max(8, int(rng.lognormvariate(math.log(shape.turn_tokens), shape.turn_sigma))) for _ in range(8))
+    outputs = tuple(max(1, int(rng.lognormvariate(math.log(shape.output_items), 0.8))) for _ in range(8))
+    ending = rng.choices(
+        ("answer", "invalid", "overlong", "keeps_calling"),
+        (1 - shape.invalid - shape.overlong - shape.keeps_calling, shape.invalid, shape.overlong, shape.keeps_calling),
+    )[0]
+    return Branch(calls, lengths, outputs, ending, rng.random() < skill)
+
+
+def retool_shaped_policy(settings: RunSettings) -> ScriptedSampler:
+    """Turn t of a branch: reasoning of its drawn length, then a call (`print` of its drawn count of numbers) while
+    it has calls left, else its ending. Tokens come from slices of encodings made once: the script costs little."""
+    protocol = protocol_for(settings.model)
+    answers = [example.answer for example in step_examples(settings, 0, None)]
+    filler = protocol.encode(" Let me work through the next part of the problem carefully, one term at a time." * 600)
+    stop = protocol.stop_token_ids[0]
+    logprobs = [-0.5] * (len(filler) + 512)
+    encode = lru_cache(maxsize=None)(lambda text: tuple(protocol.encode(text)))
+
+    def script(request: SampleRequest, index: int):
+        question, group, turn = request.question_index, request.group_indices[index], seed_field(request.seed, "turn")
+        plan = branch_of(question, group)
+        reasoning = filler[: plan.turn_lengths[turn]]
+        if turn < plan.calls or plan.ending == "keeps_calling":
+            code = f"print(' '.join(str(i) for i in range({plan.outputs[turn]})))"
+            ending = encode(tool_call_text(code, protocol.tool_format, "Let me compute."))
+        elif plan.ending == "overlong":
+            reasoning, ending = filler[: settings.rollout.max_assistant_tokens + 1], ()
+        elif plan.ending == "invalid":
+            ending = encode(" I am not sure how to finish.")
+        else:
+            answer = answers[question] if plan.correct else "-1"
+            ending = encode(f" So the answer is \\boxed{{{answer}}}.")
+        tokens = [*reasoning, *ending, stop]
+        return tokens, logprobs[: len(tokens)]
+
+    return ScriptedSampler(script, keep_requests=False)
+
+
+class PrintingSandbox:
+    """Stands in for the sandbox: returns what the real one prints for the script's code, at no cost."""
+
+    CODE = re.compile(r"range\((\d+)\)")
+
+    def run_many(self, codes):
+        return [self.run_code(code) for code in codes]
+
+    def run_code(self, code: str) -> ExecutionResult:
+        count = int(self.CODE.search(code).group(1))
+        return ExecutionResult("ok", " ".join(str(i) for i in range(count)) + "\n", "", 0.0, 0)
+
+    def observation(self, result: ExecutionResult) -> str:
+        return observation_text(result)
+
+    def prewarm(self) -> None:
+        pass
+
+
+# -- measuring each stage from inside its process ---------------------------------------------------------------
+
+_LOG: Path | None = None  # where each finished stage appends its figures (a JSON line)
+
+
+def _io() -> dict[str, int]:
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return {"read": int(fields["rchar"]), "written": int(fields["wchar"])}
+
+
+def _peak_bytes() -> int:
+    """The process's peak resident memory since the last reset (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current resident memory
+
+
+def _started(task) -> None:
+    if _LOG is not None:
+        _reset_peak()
+        task.scale_started = (time.time(), time.perf_counter(), _io())
+
+
+def _finished(task) -> None:
+    if _LOG is None or not hasattr(task, "scale_started"):
+        return
+    wall, started, io = task.scale_started
+    now = _io()
+    outputs = [Path(target.path) for target in luigi.task.flatten(task.output())]
+    figures = {
+        "stage": task.task_family,
+        "started": wall,
+        "seconds": time.perf_counter() - started,
+        "peak_bytes": _peak_bytes(),
+        "read_bytes": now["read"] - io["read"],
+        "written_bytes": now["written"] - io["written"],
+        "output_bytes": sum(path.stat().st_size for path in outputs if path.is_file()),
+        "files": len(outputs),
+        "pid": os.getpid(),
+    }
+    with _LOG.open("a") as log:
+        log.write(json.dumps(figures) + "\n")
+
+
+def _install() -> None:
+    """Stage hooks on every pipeline task, and the stand-in sandbox (kept by forked workers)."""
+    import jobs.execute_round
+    from pipeline.tasks import RunTask
+
+    RunTask.event_handler(luigi.Event.START)(_started)
+    RunTask.event_handler(luigi.Event.SUCCESS)(_finished)
+    jobs.execute_round.sandbox_for = lambda config: PrintingSandbox()
+
+
+def plan_training(settings: RunSettings) -> dict:
+    """What the trainer does with the step's files before its first forward pass: reads the datums, splits them
+    into mini-batches and packs those into micro-batches with their loss weights."""
+    from retool.files.layout import RunFolder
+    from retool.files.tables import DATUMS, read_table
+    from retool.rollout.datums import datums_from_table
+    from retool.training.packing import loss_token_weights, pack_micro_batches
+    from retool.training.step import mini_batches
+
+    _reset_peak()
+    io, started = _io(), time.perf_counter()
+    config = settings.trainer
+    datums = datums_from_table(read_table(RunFolder(settings.run_dir).step(0).datums, DATUMS))
+    batches = 0
+    for members in mini_batches(len(datums), config.ppo_mini_batches):
+        chosen = [datums[i] for i in members]
+        batches += len(
+            pack_micro_batches([d.num_tokens for d in chosen], config.micro_batch_items, config.micro_batch_tokens)
+        )
+        loss_token_weights([d.loss_tokens for d in chosen], config.loss_aggregation, len(datums))
+    now = _io()
+    return {
+        "stage": "TrainStep (plan only)",
+        "seconds": time.perf_counter() - started,
+        "peak_bytes": _peak_bytes(),
+        "read_bytes": now["read"] - io["read"],
+        "written_bytes": now["written"] - io["written"],
+        "output_bytes": 0,
+        "files": 0,
+        "micro_batches": batches,
+    }
+
+
+def measure_step(workdir: Path, trajectories: int, shards: int, workers: int = 1, luigid: bool = False) -> dict:
+    """One step of `trajectories` in `shards` through Luigi (`workers` processes; with `luigid`, a central
+    scheduler on this machine): each stage's figures, summed over its tasks, and the step's tokens, files and
+    scheduling."""
+    global _LOG
+    from pipeline.tasks import BuildDatums
+    from retool.files.layout import RunFolder
+    from retool.files.tables import TRAJECTORIES, read_table
+    from retool.sampling import engines
+
+    name = f"scale-{trajectories}-{shards}-{workers}{'-luigid' if luigid else ''}"
+    settings = settings_for(workdir, name, trajectories, shards)
+    engines._engines.clear()  # the script answers this step's questions
+    _LOG = workdir / f"{name}.jsonl"
+    _LOG.unlink(missing_ok=True)
+    started = time.time()
+    if luigid:
+        from bench.cluster import free_port
+        from bench.cluster import luigid as central_scheduler
+
+        config = workdir / f"{name}.cfg"
+        config.write_text("")
+        with central_scheduler(config, free_port(), workdir / f"{name}.state") as port:
+            wall = luigi_build(settings, BuildDatums, workers=workers, scheduler_port=port, step=0)
+    else:
+        wall = luigi_build(settings, BuildDatums, workers=workers, step=0)
+    records = [json.loads(line) for line in _LOG.read_text().splitlines()]
+    _LOG = None
+    planned = plan_training(settings)
+    stages: dict[str, dict] = defaultdict(lambda: defaultdict(float))
+    for record in [*records, planned]:
+        stage = stages[record["stage"]]
+        stage["tasks"] += 1
+        for key in ("seconds", "read_bytes", "written_bytes", "output_bytes", "files"):
+            stage[key] += record[key]
+        stage["peak_bytes"] = max(stage["peak_bytes"], record["peak_bytes"])
+    scored = read_table(RunFolder(settings.run_dir).step(0).trajectories, TRAJECTORIES)
+    step_folder = RunFolder(settings.run_dir).step(0).path
+    return {
+        "trajectories": trajectories,
+        "shards": shards,
+        "workers": workers,
+        "scheduler": "luigid" if luigid else "local",
+        "tokens": sum(scored.column("trajectory_tokens").to_pylist()),
+        "stop_reasons": dict(sorted(_count(scored.column("stop_reason").to_pylist()).items())),
+        "wall": wall,
+        "first_stage_after": min(r["started"] for r in records) - started,
+        "in_stages": sum(r["seconds"] for r in records) / workers,
+        "tasks": len(records),
+        "files": sum(1 for path in step_folder.rglob("*") if path.is_file()),
+        "stages": {name: dict(figures) for name, figures in stages.items()},
+    }
+
+
+def _count(values) -> dict:
+    counts: dict = defaultdict(int)
+    for value in values:
+        counts[value] += 1
+    return counts
+
+
+def exponent(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope of log(y) on log(x): y grows as x to this power."""
+    xs, ys = [math.log(x) for x, _ in points], [math.log(max(y, 1e-6)) for _, y in points]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+STAGE_ORDER = ("Prompts", "SampleRound", "ExecuteRound", "ScoreTrajectories", "BuildDatums", "TrainStep (plan only)")
+
+
+def bench_scale(workdir: Path, sizes=SIZES, workers: tuple[int, ...] = (1, 2), luigid: bool = True):
+    """Each size with --workers 1; the largest also with each other count of workers, and (`luigid`) with two
+    under a central scheduler. A table row per step and stage, each stage's growth exponent, and a plot."""
+    import torch
+
+    _install()
+    protocol_for(settings_for(workdir, "warm", 64, 1).model)  # the tokenizer, loaded before any clock starts
+    steps = [measure_step(workdir, trajectories, shards) for trajectories, shards in sizes]
+    largest = sizes[-1]
+    steps += [measure_step(workdir, *largest, workers=count) for count in workers if count != 1]
+    if luigid:
+        steps.append(measure_step(workdir, *largest, workers=2, luigid=True))
+    rows = [
+        ("machine", f"{os.cpu_count()} cores, torch cpu capability {torch.backends.cpu.get_cpu_capability()}"),
+        ("shape", f"{SHAPE}; rollout {ROLLOUT}, group {GROUP}"),
+    ]
+    for step in steps:
+        label = f"{step['trajectories']} x, {step['shards']} shards, --workers {step['workers']} ({step['scheduler']})"
+        rows.append(
+            (
+                label,
+                f"{step['tokens'] / 1e6:.2f} M tokens, {step['tasks']} tasks, {step['files']} files, wall "
+                f"{step['wall']:.1f} s, first stage after {step['first_stage_after']:.1f} s, outside stages "
+                f"{step['wall'] - step['in_stages'] - step['first_stage_after']:.1f} s; stops {step['stop_reasons']}",
+            )
+        )
+        for name in STAGE_ORDER:
+            figures = step["stages"].get(name)
+            if figures:
+                rows.append(
+                    (
+                        f"  {name}",
+                        f"{figures['seconds']:.2f} s, peak {figures['peak_bytes'] / 2**30:.2f} GiB, read "
+                        f"{figures['read_bytes'] / 2**20:.1f} MiB, written {figures['written_bytes'] / 2**20:.1f} MiB "
+                        f"(files {figures['output_bytes'] / 2**20:.1f} MiB in {int(figures['files'])}), "
+                        f"{int(figures['tasks'])} tasks",
+                    )
+                )
+    single = [step for step in steps if step["workers"] == 1 and step["scheduler"] == "local"]
+    for name in STAGE_ORDER:
+        points = [(s["tokens"], s["stages"][name]["seconds"]) for s in single if name in s["stages"]]
+        memory = [(s["tokens"], s["stages"][name]["peak_bytes"]) for s in single if name in s["stages"]]
+        if len(points) > 1:
+            rows.append((f"exponent {name}", f"seconds ~ tokens^{exponent(points):.2f}, peak ~ {exponent(memory):.2f}"))
+    (workdir / "scale.json").write_text(json.dumps(steps, indent=1))
+    if len(single) > 1:
+        draw(single, workdir / "scale.png")
+    rows.append(("figures", f"{workdir / 'scale.json'}, plot {workdir / 'scale.png'}"))
+    return rows
+
+
+def draw(steps: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5))
+    for name in STAGE_ORDER:
+        points = [(s["tokens"], s["stages"][name]["seconds"]) for s in steps if name in s["stages"]]
+        if points:
+            axis.loglog(*zip(*points), marker="o", label=f"{name} (x^{exponent(points):.2f})")
+    axis.set_xlabel("tokens in the step")
+    axis.set_ylabel("seconds (sum over the stage's tasks)")
+    axis.set_title("The pipeline's own cost per stage as a step grows")
+    axis.grid(True, which="both", alpha=0.3)
+    axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -1,0 +1,45 @@
+"""`python -m bench scale` at its smallest sizes: the figures come out, and every Parquet table of those steps is
+what the pipeline wrote before its stages learned to read only the columns they need (row for row)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+pytestmark = pytest.mark.slow
+
+# sha256 (first 16 hex digits) of each file's rows as JSON, exec_seconds aside, from the code before that change.
+PINNED = json.loads((Path(__file__).with_name("scale_tables.json")).read_text())
+
+
+def table_digests(step_folder: Path) -> dict[str, str]:
+    digests = {}
+    for path in sorted(step_folder.rglob("*.parquet")):
+        table = pq.read_table(path)
+        rows = table.drop_columns([c for c in ("exec_seconds",) if c in table.column_names]).to_pylist()
+        digests[str(path.relative_to(step_folder))] = hashlib.sha256(
+            json.dumps(rows, sort_keys=True).encode()
+        ).hexdigest()[:16]
+    return digests
+
+
+def test_the_scale_bench_reports_every_stage_and_the_tables_are_unchanged(tmp_path):
+    from bench.scale import STAGE_ORDER, bench_scale
+
+    rows = dict(bench_scale(tmp_path, sizes=((64, 1), (256, 4)), workers=(1,), luigid=False))
+    steps = json.loads((tmp_path / "scale.json").read_text())
+    assert [(s["trajectories"], s["shards"]) for s in steps] == [(64, 1), (256, 4)]
+    for step in steps:
+        assert set(step["stages"]) == set(STAGE_ORDER)
+        assert step["tasks"] == 1 + 2 * 6 * step["shards"] + 2  # prompts, each shard's rounds, scores, datums
+        for figures in step["stages"].values():
+            assert figures["seconds"] > 0 and figures["peak_bytes"] > 0
+        assert step["stages"]["SampleRound"]["output_bytes"] > 0
+    assert all(f"exponent {name}" in rows for name in STAGE_ORDER)
+    assert (tmp_path / "scale.png").stat().st_size > 0
+    for name, pinned in PINNED.items():
+        assert table_digests(tmp_path / name / "step=0000") == pinned, name
