@@ -106,20 +106,24 @@ def retool_shaped_policy(settings: RunSettings) -> ScriptedSampler:
     it has calls left, else its ending. Tokens come from slices of encodings made once: the script costs little."""
     protocol = protocol_for(settings.model)
     answers = [example.answer for example in step_examples(settings, 0, None)]
-    filler = protocol.encode(" Let me work through the next part of the problem carefully, one term at a time." * 600)
+    # Reasoning: slices of the training questions' tokens (as varied as text; a repeated sentence would compress).
+    corpus = "\n".join(line for line in Path(settings.data.train).read_text().splitlines())
+    filler = protocol.encode(corpus)
+    limit = settings.rollout.max_assistant_tokens + 1
     stop = protocol.stop_token_ids[0]
-    logprobs = [-0.5] * (len(filler) + 512)
+    logprobs = [-0.5] * (limit + 512)
     encode = lru_cache(maxsize=None)(lambda text: tuple(protocol.encode(text)))
 
     def script(request: SampleRequest, index: int):
         question, group, turn = request.question_index, request.group_indices[index], seed_field(request.seed, "turn")
         plan = branch_of(question, group)
-        reasoning = filler[: plan.turn_lengths[turn]]
+        start = (question * 7919 + group * 104729 + turn * 1299709) % (len(filler) - limit)
+        reasoning = filler[start : start + min(plan.turn_lengths[turn], limit - 1)]
         if turn < plan.calls or plan.ending == "keeps_calling":
             code = f"print(' '.join(str(i) for i in range({plan.outputs[turn]})))"
             ending = encode(tool_call_text(code, protocol.tool_format, "Let me compute."))
         elif plan.ending == "overlong":
-            reasoning, ending = filler[: settings.rollout.max_assistant_tokens + 1], ()
+            reasoning, ending = filler[start : start + limit], ()
         elif plan.ending == "invalid":
             ending = encode(" I am not sure how to finish.")
         else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from retool.data.examples import MathExample
 from retool.data.frontier import Draw
 from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
-from retool.rollout.datums import Datum, datum_of, datum_row
+from retool.rollout.datums import LIST_COLUMNS, Datum, datum_row, datums_from_table
 from retool.rollout.rows import (
     example_of,
     observation_row,
@@ -58,7 +58,9 @@ def test_what_is_written_reads_back(hermes):
     assert turn_of(row) == AssistantTurn([1, 2], [3, 4], [-0.5, -0.25], "print(6 * 7)", "stop", 11)
     assert example_of(prompt_row(0, 0, Draw(EXAMPLE, None, None, "the shuffled walk"), [1])) == EXAMPLE
     datum = Datum(0, 1, [1, 2, 3], [2, 3, 4], [0.0, -0.5, -0.25], [0.0, 0.5, 0.5], [False, True, True])
-    assert datum_of(datum_row(datum, 0, -1)) == datum
+    (read,) = datums_from_table(table_from_rows([datum_row(datum, 0, -1)], DATUMS))
+    assert (read.question_index, read.group_index) == (0, 1)
+    assert [list(getattr(read, name)) for name in LIST_COLUMNS] == [getattr(datum, name) for name in LIST_COLUMNS]
     ended = ended_trajectory()
     restored = Trajectory(EXAMPLE, 0, 1, [], turns=[AssistantTurn([1, 2], [3, 4], [-0.5], "x", "stop", 11)])
     restore_observation(restored, observation_row(ended, 0, 1), hermes)

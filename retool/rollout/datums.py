@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy
 import pyarrow as pa
 
 if TYPE_CHECKING:  # the trainer reads datums without the rollout's dependencies
@@ -61,7 +62,7 @@ class Datum:
 
     @property
     def loss_tokens(self) -> int:
-        return sum(self.loss_mask)
+        return int(numpy.count_nonzero(self.loss_mask))
 
 
 def build_datum(trajectory: Trajectory, trainer_max_tokens: int) -> Datum:
@@ -109,17 +110,25 @@ def datum_row(datum: Datum, step: int, policy_step: int) -> dict:
     }
 
 
-def datum_of(row: dict) -> Datum:
-    return Datum(
-        row["question_index"],
-        row["group_index"],
-        row["input_tokens"],
-        row["target_tokens"],
-        row["old_logprobs"],
-        row["advantages"],
-        row["loss_mask"],
-    )
-
-
 def datums_from_table(table: pa.Table) -> list[Datum]:
-    return [datum_of(row) for row in table.to_pylist()]
+    """The datums of a datums.parquet table, their token columns as numpy views of the table's (no Python value
+    per token: a step's datums hold tens of millions)."""
+    columns = {name: _row_views(table.column(name)) for name in LIST_COLUMNS}
+    return [
+        Datum(q, g, *(columns[name][row] for name in LIST_COLUMNS))
+        for row, (q, g) in enumerate(
+            zip(table.column("question_index").to_pylist(), table.column("group_index").to_pylist(), strict=True)
+        )
+    ]
+
+
+LIST_COLUMNS = ("input_tokens", "target_tokens", "old_logprobs", "advantages", "loss_mask")  # in Datum's order
+
+
+def _row_views(column: pa.ChunkedArray) -> list[numpy.ndarray]:
+    """Each row of a list column as a numpy view of its values."""
+    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+    if array.null_count:
+        raise ValueError(f"a datum's {column.type} column has nulls")
+    values, offsets = array.values.to_numpy(zero_copy_only=False), array.offsets.to_numpy()
+    return [values[start:end] for start, end in zip(offsets[:-1], offsets[1:])]

@@ -156,7 +156,7 @@ def in_question_order(table: pa.Table) -> pa.Table:
 
 
 def describe_prompts(prompts: pa.Table) -> str:
-    tokens = sum(len(t) for t in prompts.column("prompt_tokens").to_pylist())
+    tokens = _total_length(prompts.column("prompt_tokens"))
     rates = [rate for rate in prompts.column("pass_rate").to_pylist() if rate is not None]
     drawn = f", drawn at estimated pass rates {min(rates):.2f} to {max(rates):.2f}" if rates else ""
     return f"{prompts.num_rows} questions, {tokens} prompt tokens{drawn}"
@@ -165,7 +165,7 @@ def describe_prompts(prompts: pa.Table) -> str:
 def describe_samples(samples: pa.Table) -> str:
     if not samples.num_rows:
         return "no rows (no trajectory was live)"
-    tokens = sum(len(t) for t in samples.column("completion_tokens").to_pylist())
+    tokens = _total_length(samples.column("completion_tokens"))
     return f"{samples.num_rows} sequences, {tokens} sampled tokens"
 
 
@@ -194,6 +194,11 @@ def describe_datums(datums: pa.Table, kind: str = "datums") -> str:
     """Datums, or (kind) the cold start's SFT examples, which have the same token and mask columns."""
     if not datums.num_rows:
         return "no rows"
-    tokens = sum(datums.column("num_tokens").to_pylist())
-    loss_tokens = sum(sum(m) for m in datums.column("loss_mask").to_pylist())
+    tokens = pc.sum(datums.column("num_tokens")).as_py()
+    loss_tokens = pc.sum(pc.list_flatten(datums.column("loss_mask")).cast(pa.int64())).as_py()
     return f"{datums.num_rows} {kind}, {tokens} tokens, {loss_tokens} loss tokens"
+
+
+def _total_length(column: pa.ChunkedArray) -> int:
+    """Items in every row of a list column (tokens, without a Python value per token)."""
+    return pc.sum(pc.list_value_length(column)).as_py() or 0

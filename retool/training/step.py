@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy
 import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -96,23 +97,25 @@ def optimizer_for(model, previous: Path | None, config: TrainerConfig, device: s
 def _micro_batch_tensors(
     datums: list[Datum], batch: MicroBatch, weights: list[float], device: str
 ) -> dict[str, torch.Tensor]:
-    """Right-padded rows; padding has mask 0 and weight 0, so it never reaches the loss."""
+    """Right-padded rows; padding has mask 0 and weight 0, so it never reaches the loss. Rows are filled as numpy
+    arrays (a datum read from its file holds views of the file's columns, not Python values)."""
     rows = [datums[i] for i in batch.indices]
-    width = batch.width
 
     def padded(values, fill, dtype):
-        return torch.tensor([list(v) + [fill] * (width - len(v)) for v in values], dtype=dtype, device=device)
+        array = numpy.full((len(rows), batch.width), fill, dtype=dtype)
+        for row, value in zip(array, values, strict=True):
+            row[: len(value)] = value
+        return torch.from_numpy(array).to(device)
 
+    masks = [numpy.asarray(d.loss_mask, dtype=bool) for d in rows]
     return {
-        "input_ids": padded([d.input_tokens for d in rows], 0, torch.long),
-        "attention_mask": padded([[1] * d.num_tokens for d in rows], 0, torch.long),
-        "targets": padded([d.target_tokens for d in rows], 0, torch.long),
-        "loss_mask": padded([d.loss_mask for d in rows], False, torch.bool),
-        "old_logprobs": padded([d.old_logprobs for d in rows], 0.0, torch.float32),
-        "advantages": padded([d.advantages for d in rows], 0.0, torch.float32),
-        "weights": padded(
-            [[weights[i] if m else 0.0 for m in datums[i].loss_mask] for i in batch.indices], 0.0, torch.float32
-        ),
+        "input_ids": padded([d.input_tokens for d in rows], 0, numpy.int64),
+        "attention_mask": padded([numpy.ones(d.num_tokens) for d in rows], 0, numpy.int64),
+        "targets": padded([d.target_tokens for d in rows], 0, numpy.int64),
+        "loss_mask": padded(masks, False, bool),
+        "old_logprobs": padded([d.old_logprobs for d in rows], 0.0, numpy.float32),
+        "advantages": padded([d.advantages for d in rows], 0.0, numpy.float32),
+        "weights": padded([numpy.where(m, weights[i], 0.0) for i, m in zip(batch.indices, masks)], 0.0, numpy.float32),
     }
 
 
