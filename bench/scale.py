@@ -1,9 +1,9 @@
 """`python -m bench scale`: the pipeline's own cost as a step grows, from 64 to 8192 trajectories.
 
-The real Luigi tasks, files, rollout, scoring, datum and packing code run one RL step whose sampler costs nothing
-(a script that returns trajectories shaped like ReTool's: `Shape`) and whose tool calls cost nothing (a stand-in
-that returns what the real sandbox would print for the scripted code). The trainer only plans the step: it reads
-the datums as the trainer does and packs them into micro-batches. Every stage's process is measured from inside
+The real Luigi tasks, files, rollout, scoring, datum and packing code run one RL step whose sampler and tool calls
+cost nothing (bench/retool_shape.py: a script that returns trajectories shaped like ReTool's, and a stand-in that
+returns what the real sandbox would print for the scripted code). The trainer only plans the step: it reads the
+datums as the trainer does and packs them into micro-batches. Every stage's process is measured from inside
 (Luigi's events, in each worker process): seconds, peak resident memory (VmHWM, reset at the stage's start), bytes
 read and written (/proc/self/io), files written; and the command's scheduling (tasks, seconds outside stages)."""
 
@@ -12,46 +12,21 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
-import re
 import resource
 import time
 from collections import defaultdict
-from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import luigi
 
 from bench.benchmarks import REPO, luigi_build
-from retool.config.rollout import seed_field
+from bench.retool_shape import SHAPE, PrintingSandbox, script_material
 from retool.config.settings import RunSettings
 from retool.protocol.chat import BUNDLED_TEMPLATE
-from retool.protocol.tool_calls import tool_call_text
-from retool.run.shared import protocol_for, step_examples
-from retool.sampling.contract import SampleRequest
-from retool.sampling.scripted import ScriptedSampler
-from retool.sandbox.call import ExecutionResult, observation_text
+from retool.run.shared import protocol_for
 from retool.weights.models import DEFAULT_MODEL_DIR
 
-
-@dataclass(frozen=True)
-class Shape:
-    """A trajectory as the script draws it, per branch from (question, branch): ReTool's published runs on a small
-    scale (their trajectories run to 8-16k tokens; `turn_tokens` scales every turn)."""
-
-    call_weights: tuple[float, ...] = (0.15, 0.25, 0.25, 0.15, 0.1, 0.1)  # P(k tool calls before the last turn)
-    turn_tokens: int = 320  # median tokens of an assistant turn (log-normal)
-    turn_sigma: float = 0.5  # log-normal sigma of a turn's length
-    output_items: int = 12  # median numbers a tool call prints (a few tokens each)
-    invalid: float = 0.05  # the last turn neither calls nor answers
-    overlong: float = 0.05  # the last turn runs past max_assistant_tokens without an answer
-    keeps_calling: float = 0.10  # calls until max_code_calls ends it
-
-
-SHAPE = Shape()
-
-# The GPU recipe's budgets (luigi.cfg's [rollout] with up to 6 tool turns), sized for the shape above.
+# The GPU recipe's budgets (luigi.cfg's [rollout] with up to 6 tool turns), sized for bench/retool_shape.py's Shape.
 ROLLOUT = {
     "max_code_calls": 5,
     "max_assistant_turns": 6,
@@ -64,94 +39,15 @@ GROUP = 16  # samples per question, as the recipes draw them
 SIZES = ((64, 1), (256, 4), (1024, 16), (4096, 64), (8192, 64))  # (trajectories, shards) of each measured step
 
 
-def settings_for(workdir: Path, name: str, trajectories: int, shards: int, shape: Shape = SHAPE) -> RunSettings:
+def settings_for(workdir: Path, name: str, trajectories: int, shards: int) -> RunSettings:
     return RunSettings().changed(
         run={"name": name, "runs_dir": str(workdir), "device": "cpu", "tracker": "none"},
         model={"name": str(DEFAULT_MODEL_DIR), "chat_template": str(BUNDLED_TEMPLATE)},
         data={"train": str(REPO / "data/synthetic_train.jsonl"), "questions_per_step": trajectories // GROUP},
         rollout={**ROLLOUT, "group_size": GROUP, "shards": shards},
-        sampler={"engine": "scripted:bench.scale:retool_shaped_policy"},
+        sampler={"engine": "scripted:bench.retool_shape:retool_shaped_policy"},
         trainer={"micro_batch_tokens": 16384, "micro_batch_items": 8},
     )
-
-
-# -- the scripted sampler ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Branch:
-    calls: int  # tool calls before the last turn
-    turn_lengths: tuple[int, ...]  # tokens of each turn's reasoning, before its call or answer
-    outputs: tuple[int, ...]  # numbers each call prints
-    ending: str  # answer | invalid | overlong | keeps_calling
-    correct: bool  # an answer turn gives the reference answer
-
-
-@lru_cache(maxsize=None)
-def branch_of(question: int, branch: int, shape: Shape = SHAPE) -> Branch:
-    rng = random.Random(question * 1_000_003 + branch)
-    skill = random.Random(question).random()  # the question's pass rate: groups of every mix
-    calls = rng.choices(range(len(shape.call_weights)), shape.call_weights)[0]
-    lengths = tuple(max(8, int(rng.lognormvariate(math.log(shape.turn_tokens), shape.turn_sigma))) for _ in range(8))
-    outputs = tuple(max(1, int(rng.lognormvariate(math.log(shape.output_items), 0.8))) for _ in range(8))
-    ending = rng.choices(
-        ("answer", "invalid", "overlong", "keeps_calling"),
-        (1 - shape.invalid - shape.overlong - shape.keeps_calling, shape.invalid, shape.overlong, shape.keeps_calling),
-    )[0]
-    return Branch(calls, lengths, outputs, ending, rng.random() < skill)
-
-
-def retool_shaped_policy(settings: RunSettings) -> ScriptedSampler:
-    """Turn t of a branch: reasoning of its drawn length, then a call (`print` of its drawn count of numbers) while
-    it has calls left, else its ending. Tokens come from slices of encodings made once: the script costs little."""
-    protocol = protocol_for(settings.model)
-    answers = [example.answer for example in step_examples(settings, 0, None)]
-    # Reasoning: slices of the training questions' tokens (as varied as text; a repeated sentence would compress).
-    corpus = "\n".join(line for line in Path(settings.data.train).read_text().splitlines())
-    filler = protocol.encode(corpus)
-    limit = settings.rollout.max_assistant_tokens + 1
-    stop = protocol.stop_token_ids[0]
-    logprobs = [-0.5] * (limit + 512)
-    encode = lru_cache(maxsize=None)(lambda text: tuple(protocol.encode(text)))
-
-    def script(request: SampleRequest, index: int):
-        question, group, turn = request.question_index, request.group_indices[index], seed_field(request.seed, "turn")
-        plan = branch_of(question, group)
-        start = (question * 7919 + group * 104729 + turn * 1299709) % (len(filler) - limit)
-        reasoning = filler[start : start + min(plan.turn_lengths[turn], limit - 1)]
-        if turn < plan.calls or plan.ending == "keeps_calling":
-            code = f"print(' '.join(str(i) for i in range({plan.outputs[turn]})))"
-            ending = encode(tool_call_text(code, protocol.tool_format, "Let me compute."))
-        elif plan.ending == "overlong":
-            reasoning, ending = filler[start : start + limit], ()
-        elif plan.ending == "invalid":
-            ending = encode(" I am not sure how to finish.")
-        else:
-            answer = answers[question] if plan.correct else "-1"
-            ending = encode(f" So the answer is \\boxed{{{answer}}}.")
-        tokens = [*reasoning, *ending, stop]
-        return tokens, logprobs[: len(tokens)]
-
-    return ScriptedSampler(script, keep_requests=False)
-
-
-class PrintingSandbox:
-    """Stands in for the sandbox: returns what the real one prints for the script's code, at no cost."""
-
-    CODE = re.compile(r"range\((\d+)\)")
-
-    def run_many(self, codes):
-        return [self.run_code(code) for code in codes]
-
-    def run_code(self, code: str) -> ExecutionResult:
-        count = int(self.CODE.search(code).group(1))
-        return ExecutionResult("ok", " ".join(str(i) for i in range(count)) + "\n", "", 0.0, 0)
-
-    def observation(self, result: ExecutionResult) -> str:
-        return observation_text(result)
-
-    def prewarm(self) -> None:
-        pass
 
 
 # -- measuring each stage from inside its process ---------------------------------------------------------------
@@ -259,6 +155,7 @@ def measure_step(workdir: Path, trajectories: int, shards: int, workers: int = 1
     name = f"scale-{trajectories}-{shards}-{workers}{'-luigid' if luigid else ''}"
     settings = settings_for(workdir, name, trajectories, shards)
     engines._engines.clear()  # the script answers this step's questions
+    script_material(settings)
     _LOG = workdir / f"{name}.jsonl"
     _LOG.unlink(missing_ok=True)
     started = time.time()
@@ -290,6 +187,7 @@ def measure_step(workdir: Path, trajectories: int, shards: int, workers: int = 1
         "workers": workers,
         "scheduler": "luigid" if luigid else "local",
         "tokens": sum(scored.column("trajectory_tokens").to_pylist()),
+        "sampled_tokens": sum(scored.column("sampled_tokens").to_pylist()),
         "stop_reasons": dict(sorted(_count(scored.column("stop_reason").to_pylist()).items())),
         "wall": wall,
         "first_stage_after": min(r["started"] for r in records) - started,
@@ -361,6 +259,8 @@ def bench_scale(workdir: Path, sizes=SIZES, workers: tuple[int, ...] = (1, 2), l
         memory = [(s["tokens"], s["stages"][name]["peak_bytes"]) for s in single if name in s["stages"]]
         if len(points) > 1:
             rows.append((f"exponent {name}", f"seconds ~ tokens^{exponent(points):.2f}, peak ~ {exponent(memory):.2f}"))
+    if len(single) > 1:
+        rows += gpu_node_share(steps)
     (workdir / "scale.json").write_text(json.dumps(steps, indent=1))
     if len(single) > 1:
         draw(single, workdir / "scale.png")
@@ -387,3 +287,57 @@ def draw(steps: list[dict], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+# -- the share of a GPU node's step ------------------------------------------------------------------------------
+# Assumptions, not measurements of this machine: an 8 x H100 node training a 4B model on the recipes' step.
+GPU_STEP_TRAJECTORIES, GPU_STEP_TOKENS = 8192, 8192 * 8192  # 512 questions x 16 samples of 8k tokens: 67 M tokens
+NODE_GPUS = 8
+NODE_CORES = 64  # CPU cores for Luigi's workers beside the GPUs (an 8-GPU node has 96 to 224)
+GENERATION_TOKENS_PER_SECOND = 20_000  # per GPU: vLLM decoding a 4B model at large batch
+TRAINING_FLOPS_PER_TOKEN = 8 * 4e9  # forward and backward (6N) and the metrics pass after the update (2N), N = 4e9
+GPU_FLOPS = 989e12 * 0.4  # an H100's dense bfloat16 peak at 40 % utilisation
+PARALLEL_STAGES = ("SampleRound", "ExecuteRound")  # one task per shard and round: they spread over the workers
+
+
+def gpu_node_share(steps: list[dict]) -> list[tuple[str, str]]:
+    """The pipeline's own time in the modelled GPU node's step: each stage's seconds at the largest measured size,
+    grown to GPU_STEP_TOKENS by its fitted exponent (at least linearly) and by the trajectories for the per-task
+    overhead; the rollout stages' share spread over min(cores, shards) workers at the parallel efficiency measured
+    here from --workers 1 to 2."""
+    single = [s for s in steps if s["workers"] == 1 and s["scheduler"] == "local"]
+    largest = single[-1]
+    growth = GPU_STEP_TOKENS / largest["tokens"]
+    two = [s for s in steps if s["workers"] == 2 and s["scheduler"] == "local"]
+    efficiency = min(1.0, largest["wall"] / two[0]["wall"] / 2) if two else 0.5
+    workers = min(NODE_CORES, largest["shards"]) * efficiency
+    serial, parallel = 0.0, 0.0
+    for name in STAGE_ORDER:
+        points = [(s["tokens"], s["stages"][name]["seconds"]) for s in single if name in s["stages"]]
+        seconds = largest["stages"][name]["seconds"] * growth ** max(1.0, exponent(points))
+        if name in PARALLEL_STAGES:
+            parallel += seconds / workers
+        else:
+            serial += seconds
+    scheduling = largest["wall"] - largest["in_stages"]  # Luigi's time outside the stages: grows with the tasks
+    sampled_share = largest["sampled_tokens"] / largest["tokens"]
+    sampling = GPU_STEP_TOKENS * sampled_share / (NODE_GPUS * GENERATION_TOKENS_PER_SECOND)
+    training = GPU_STEP_TOKENS * TRAINING_FLOPS_PER_TOKEN / (NODE_GPUS * GPU_FLOPS)
+    own = serial + parallel + scheduling
+    step = sampling + training + own
+    return [
+        (
+            "GPU node model",
+            f"{NODE_GPUS} GPUs, {NODE_CORES} cores; {GPU_STEP_TRAJECTORIES} trajectories, "
+            f"{GPU_STEP_TOKENS / 1e6:.0f} M tokens ({sampled_share:.0%} sampled): sampling {sampling:.0f} s at "
+            f"{GENERATION_TOKENS_PER_SECOND} tokens/s a GPU, training {training:.0f} s at "
+            f"{GPU_FLOPS / 1e12:.0f} TFLOP/s a GPU",
+        ),
+        (
+            "  pipeline's own time",
+            f"{own:.1f} s: single-task stages {serial:.1f} s, rollout stages {parallel:.1f} s over {workers:.1f} "
+            f"workers (efficiency {efficiency:.2f} measured at 2), scheduling {scheduling:.1f} s "
+            f"({largest['tasks']} tasks); x{growth:.1f} the tokens measured",
+        ),
+        ("  share of the step", f"{own / step:.2%} of {step:.0f} s (goal <= 2 %)"),
+    ]

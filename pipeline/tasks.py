@@ -71,11 +71,13 @@ class RunTask(luigi.Task):
         """Complete only when the output exists and so does every input's of the same step and namespace, however
         far upstream, so deleting one stage's output re-runs it and everything downstream. Other steps (the
         policy) count by their own output: no walk back through every earlier step. Each task is visited once."""
-        open_run(self.settings, luigi.interface.core().workers)
-        check_evaluated_checkpoint(self.settings, self.step, self.evaluation)
+        if "_opened" not in self.__dict__:  # Luigi asks several times; its command's settings cost a millisecond
+            open_run(self.settings, luigi.interface.core().workers)
+            check_evaluated_checkpoint(self.settings, self.step, self.evaluation)
+            self._opened = True
         if not super().complete():
             return False
-        folder, seen, waiting = self.folder, set(), luigi.task.flatten(self.requires())
+        folder, seen, waiting = self.folder, set(), list(self.inputs())
         while waiting:
             task = waiting.pop()
             if task.task_id in seen:
@@ -84,8 +86,15 @@ class RunTask(luigi.Task):
             if not all(output.exists() for output in luigi.task.flatten(task.output())):
                 return False
             if task.folder == folder:
-                waiting += luigi.task.flatten(task.requires())
+                waiting += task.inputs()
         return True
+
+    def inputs(self) -> list[RunTask]:
+        """requires(), flattened, made once per task: Luigi checks every task's inputs before running it, and each
+        check walks back through the round chain (tasks are made once per parameters, so this is kept with it)."""
+        if "_inputs" not in self.__dict__:
+            self._inputs = luigi.task.flatten(self.requires())
+        return self._inputs
 
     def label(self) -> str:
         """The task as users name it: its parameters, an evaluation by its folder, unset ones left out."""

@@ -115,11 +115,11 @@ def test_invariant_6_only_sampled_tokens_are_actions(hermes):
     trajectory = run(hermes, sampler)[0]
     sequence = trajectory_sequence(trajectory)
     first, second = trajectory.turns
-    assert sequence.tokens == second.prompt_tokens + second.completion_tokens
+    assert sequence.tokens.tolist() == second.prompt_tokens + second.completion_tokens
     expected = [False] * len(first.prompt_tokens) + [True] * len(first.completion_tokens)
     expected += [False] * (len(second.prompt_tokens) - len(first.prompt_tokens) - len(first.completion_tokens))
     expected += [True] * len(second.completion_tokens)
-    assert sequence.is_action == expected
+    assert sequence.is_action.tolist() == expected
     assert [
         lp for lp, action in zip(sequence.old_logprobs, sequence.is_action) if action
     ] == first.logprobs + second.logprobs

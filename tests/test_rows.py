@@ -1,12 +1,12 @@
-"""Each row mapping (retool/rollout/rows.py, and datums.py for a datum) writes exactly its file's columns, and what
-it writes reads back."""
+"""Each row mapping (retool/rollout/rows.py; datums.py's columns for datums) writes exactly its file's columns, and
+what it writes reads back."""
 
 from __future__ import annotations
 
 from retool.data.examples import MathExample
 from retool.data.frontier import Draw
 from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
-from retool.rollout.datums import LIST_COLUMNS, Datum, datum_row, datums_from_table
+from retool.rollout.datums import LIST_COLUMNS, Datum, datums_from_table, datums_to_table
 from retool.rollout.rows import (
     example_of,
     observation_row,
@@ -37,13 +37,11 @@ def test_every_row_has_exactly_its_files_columns(hermes):
     request = SampleRequest(0, (0, 1), (1, 2), 8, seed=11)
     sequence = SampledSequence((3, 4), (-0.5, -0.25), "stop")
     trajectory = ended_trajectory()
-    datum = Datum(0, 1, [1, 2, 3], [2, 3, 4], [0.0, -0.5, -0.25], [0.0, 0.5, 0.5], [False, True, True])
     rows = {
         PROMPTS: prompt_row(0, 0, Draw(EXAMPLE, 0.25, 0.68, "question 1/4 right"), [1, 2]),
         SAMPLES: sample_row(0, 0, request, 1, sequence, "print(6 * 7)", -1),
         OBSERVATIONS: observation_row(trajectory, 0, 1),
         TRAJECTORIES: trajectory_row(trajectory, 0, -1),
-        DATUMS: datum_row(datum, 0, -1),
     }
     for schema, row in rows.items():
         assert list(row) == schema.names
@@ -58,7 +56,9 @@ def test_what_is_written_reads_back(hermes):
     assert turn_of(row) == AssistantTurn([1, 2], [3, 4], [-0.5, -0.25], "print(6 * 7)", "stop", 11)
     assert example_of(prompt_row(0, 0, Draw(EXAMPLE, None, None, "the shuffled walk"), [1])) == EXAMPLE
     datum = Datum(0, 1, [1, 2, 3], [2, 3, 4], [0.0, -0.5, -0.25], [0.0, 0.5, 0.5], [False, True, True])
-    (read,) = datums_from_table(table_from_rows([datum_row(datum, 0, -1)], DATUMS))
+    table = datums_to_table([datum], 0, -1)  # datums are written column by column
+    assert table.schema == DATUMS and table.column("num_tokens").to_pylist() == [3]
+    (read,) = datums_from_table(table)
     assert (read.question_index, read.group_index) == (0, 1)
     assert [list(getattr(read, name)) for name in LIST_COLUMNS] == [getattr(datum, name) for name in LIST_COLUMNS]
     ended = ended_trajectory()

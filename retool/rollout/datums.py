@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy
 import pyarrow as pa
+
+from retool.files.tables import DATUMS, list_column, row_views
 
 if TYPE_CHECKING:  # the trainer reads datums without the rollout's dependencies
     from retool.rollout.state import Trajectory
@@ -18,31 +21,40 @@ class PrefixError(ValueError):
 
 @dataclass(frozen=True)
 class TokenSequence:
-    tokens: list[int]  # P(1) + C(1) + D(1) + C(2) + ...
-    old_logprobs: list[float]  # sampler logprob on completion tokens, 0 elsewhere
-    is_action: list[bool]  # True exactly on tokens the model sampled
-    turn_of: list[int]  # the turn that sampled each token, from 0; -1 on context
+    tokens: numpy.ndarray  # P(1) + C(1) + D(1) + C(2) + ...
+    old_logprobs: numpy.ndarray  # sampler logprob on completion tokens, 0 elsewhere
+    is_action: numpy.ndarray  # True exactly on tokens the model sampled
+    turn_of: numpy.ndarray  # the turn that sampled each token, from 0; -1 on context
 
 
 def trajectory_sequence(trajectory: Trajectory) -> TokenSequence:
-    """Joins the turns, checking that every prompt extends everything before it; the tokens each
-    prompt adds (first prompt, closing, observation, next-turn prefix) are context, not actions."""
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    is_action: list[bool] = []
-    turn_of: list[int] = []
+    """Joins the turns, checking that every prompt extends everything before it (P(i+1) starts with P(i) + C(i));
+    the tokens each prompt adds (first prompt, closing, observation, next-turn prefix) are context, not actions.
+    So the whole sequence is the last prompt and its completion. In numpy: a turn's tokens may be views of its
+    file's columns, and a step has tens of millions of them."""
+    if not trajectory.turns:
+        return TokenSequence(*(numpy.zeros(0, dtype) for dtype in (numpy.int64, numpy.float64, bool, numpy.int64)))
+    last = trajectory.turns[-1]
+    tokens = numpy.concatenate([numpy.asarray(last.prompt_tokens, numpy.int64), last.completion_tokens])
+    logprobs, is_action = numpy.zeros(len(tokens)), numpy.zeros(len(tokens), bool)
+    turn_of = numpy.full(len(tokens), -1)
+    before = (numpy.zeros(0, numpy.int64), numpy.zeros(0, numpy.int64))  # P(i-1), C(i-1)
     for number, turn in enumerate(trajectory.turns, start=1):
-        if turn.prompt_tokens[: len(tokens)] != tokens:
+        prompt, completion = numpy.asarray(turn.prompt_tokens), numpy.asarray(turn.completion_tokens)
+        start, (previous_prompt, previous_completion) = len(before[0]), before
+        end = start + len(previous_completion)
+        if not (
+            len(prompt) >= end
+            and numpy.array_equal(prompt[:start], previous_prompt)
+            and numpy.array_equal(prompt[start:end], previous_completion)
+        ):
             raise PrefixError(
                 f"trajectory (question {trajectory.question_index}, branch {trajectory.group_index}): the prompt of "
-                "turn "
-                f"{number} does not extend the {len(tokens)} tokens of the turns before it"
+                f"turn {number} does not extend the {end} tokens of the turns before it"
             )
-        context = turn.prompt_tokens[len(tokens) :]
-        tokens += context + turn.completion_tokens
-        logprobs += [0.0] * len(context) + turn.logprobs
-        is_action += [False] * len(context) + [True] * len(turn.completion_tokens)
-        turn_of += [-1] * len(context) + [number - 1] * len(turn.completion_tokens)
+        sampled = slice(len(prompt), len(prompt) + len(completion))
+        logprobs[sampled], is_action[sampled], turn_of[sampled] = turn.logprobs, True, number - 1
+        before = (prompt, completion)
     return TokenSequence(tokens, logprobs, is_action, turn_of)
 
 
@@ -50,11 +62,12 @@ def trajectory_sequence(trajectory: Trajectory) -> TokenSequence:
 class Datum:
     question_index: int
     group_index: int
-    input_tokens: list[int]  # tokens[:-1]: what the model reads
-    target_tokens: list[int]  # tokens[1:]: what it predicts at each position
-    old_logprobs: list[float]  # sampler logprob of each target on sampled tokens, 0 elsewhere
-    advantages: list[float]  # the trajectory's advantage on sampled targets, 0 elsewhere
-    loss_mask: list[bool]  # True on targets the model sampled: the only tokens the loss sees
+    # Sequences of equal length (numpy arrays as built and as read from datums.parquet; lists where tests write them)
+    input_tokens: Sequence[int]  # tokens[:-1]: what the model reads
+    target_tokens: Sequence[int]  # tokens[1:]: what it predicts at each position
+    old_logprobs: Sequence[float]  # sampler logprob of each target on sampled tokens, 0 elsewhere
+    advantages: Sequence[float]  # the trajectory's advantage on sampled targets, 0 elsewhere
+    loss_mask: Sequence[bool]  # True on targets the model sampled: the only tokens the loss sees
 
     @property
     def num_tokens(self) -> int:
@@ -76,14 +89,15 @@ def build_datum(trajectory: Trajectory, trainer_max_tokens: int) -> Datum:
             f"over the trainer's context of {trainer_max_tokens}"
         )
     advantage = float(trajectory.advantage)
+    actions = sequence.is_action[1:]
     return Datum(
         trajectory.question_index,
         trajectory.group_index,
         sequence.tokens[:-1],
         sequence.tokens[1:],
         sequence.old_logprobs[1:],
-        [advantage if action else 0.0 for action in sequence.is_action[1:]],
-        sequence.is_action[1:],
+        numpy.where(actions, advantage, 0.0),
+        actions,
     )
 
 
@@ -92,28 +106,27 @@ def build_datums(trajectories: list[Trajectory], trainer_max_tokens: int) -> lis
     return [build_datum(t, trainer_max_tokens) for t in trajectories if t.advantage and t.turns]
 
 
-# A datum's row in datums.parquet (files/tables.py DATUMS), and back.
+# Datums as datums.parquet's columns (files/tables.py DATUMS), and back.
 
 
-def datum_row(datum: Datum, step: int, policy_step: int) -> dict:
-    return {
-        "step": step,
-        "question_index": datum.question_index,
-        "group_index": datum.group_index,
-        "input_tokens": datum.input_tokens,
-        "target_tokens": datum.target_tokens,
-        "old_logprobs": datum.old_logprobs,
-        "advantages": datum.advantages,
-        "loss_mask": datum.loss_mask,
-        "num_tokens": datum.num_tokens,
-        "policy_step": policy_step,
+def datums_to_table(datums: Sequence[Datum], step: int, policy_step: int) -> pa.Table:
+    """Each list column built from all datums' arrays at once (no Python value per token)."""
+    count = len(datums)
+    columns = {
+        "step": pa.array([step] * count, pa.int32()),
+        "question_index": pa.array([d.question_index for d in datums], pa.int32()),
+        "group_index": pa.array([d.group_index for d in datums], pa.int32()),
+        **{name: list_column([getattr(d, name) for d in datums], DATUMS.field(name).type) for name in LIST_COLUMNS},
+        "num_tokens": pa.array([d.num_tokens for d in datums], pa.int32()),
+        "policy_step": pa.array([policy_step] * count, pa.int32()),
     }
+    return pa.Table.from_arrays([columns[name] for name in DATUMS.names], schema=DATUMS)
 
 
 def datums_from_table(table: pa.Table) -> list[Datum]:
     """The datums of a datums.parquet table, their token columns as numpy views of the table's (no Python value
     per token: a step's datums hold tens of millions)."""
-    columns = {name: _row_views(table.column(name)) for name in LIST_COLUMNS}
+    columns = {name: row_views(table.column(name)) for name in LIST_COLUMNS}
     return [
         Datum(q, g, *(columns[name][row] for name in LIST_COLUMNS))
         for row, (q, g) in enumerate(
@@ -123,12 +136,3 @@ def datums_from_table(table: pa.Table) -> list[Datum]:
 
 
 LIST_COLUMNS = ("input_tokens", "target_tokens", "old_logprobs", "advantages", "loss_mask")  # in Datum's order
-
-
-def _row_views(column: pa.ChunkedArray) -> list[numpy.ndarray]:
-    """Each row of a list column as a numpy view of its values."""
-    array = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    if array.null_count:
-        raise ValueError(f"a datum's {column.type} column has nulls")
-    values, offsets = array.values.to_numpy(zero_copy_only=False), array.offsets.to_numpy()
-    return [values[start:end] for start, end in zip(offsets[:-1], offsets[1:])]

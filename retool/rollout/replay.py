@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 
 from retool.config.rollout import RolloutConfig
 from retool.files.layout import RoundPaths
-from retool.files.tables import OBSERVATIONS, PROMPTS, SAMPLES, read_table
+from retool.files.tables import OBSERVATIONS, PROMPTS, SAMPLES, read_table, row_views
 from retool.protocol.chat import ChatProtocol
 from retool.rollout.rows import example_of, restore_observation, turn_of
 from retool.rollout.state import Trajectory, start_trajectories
@@ -27,6 +27,19 @@ class StaleInputError(ValueError):
 class RoundFiles:
     samples: pa.Table  # what SampleRound wrote for this round
     observations: pa.Table  # what ExecuteRound wrote for this round
+
+
+TOKEN_COLUMNS = ("prompt_tokens", "completion_tokens", "logprobs")  # of samples.parquet
+
+
+def sample_rows(samples: pa.Table) -> list[dict]:
+    """A samples table's rows, its token columns (where read) as numpy views of the table's, not Python lists."""
+    tokens = [name for name in TOKEN_COLUMNS if name in samples.column_names]
+    rows = samples.drop_columns(tokens).to_pylist()
+    for name in tokens:
+        for row, view in zip(rows, row_views(samples.column(name)), strict=True):
+            row[name] = view
+    return rows
 
 
 def shard_of(question_index: int, shards: int) -> int:
@@ -50,7 +63,7 @@ def replay(
             )
     by_branch = {(t.question_index, t.group_index): t for t in trajectories}
     for files in rounds:
-        for row in files.samples.to_pylist():
+        for row in sample_rows(files.samples):
             trajectory = by_branch[(row["question_index"], row["group_index"])]
             trajectory.turns.append(turn_of(row))
             trajectory.messages.append(protocol.assistant_message(row["text"]))
@@ -59,12 +72,11 @@ def replay(
     return trajectories
 
 
-TOKEN_COLUMNS = ("prompt_tokens", "completion_tokens", "logprobs")  # of samples.parquet
-
 Detail = Literal["tokens", "lengths", "state"]
-"""What a replay reads of the earlier rounds' tokens: every turn's (BuildDatums); only their counts (scoring); or
-none but the next prompts, from the last round's observations (a round's stages: what they sample from and
-extend). A round then reads each earlier round's small columns, and the tokens of none of them."""
+"""What a replay reads of the earlier rounds' tokens: every turn's, as numpy views (BuildDatums, which needs no next
+prompt: every trajectory has ended); only their counts (scoring); or none but the next prompts, from the last
+round's observations (a round's stages: what they sample from and extend). A round then reads each earlier
+round's small columns, and the tokens of none of them."""
 
 
 def replay_files(
@@ -100,7 +112,7 @@ def _samples(path: Path, detail: Detail) -> pa.Table:
 
 
 def _observations(path: Path, detail: Detail, last: bool) -> pa.Table:
-    if detail == "tokens" or (detail == "state" and last):
+    if detail == "state" and last:  # the next prompts: what the round samples from
         return read_table(path, OBSERVATIONS)
     return read_table(path, OBSERVATIONS, [name for name in OBSERVATIONS.names if name != "next_prompt_tokens"])
 

@@ -1,5 +1,5 @@
 """A trajectory in the rollout's Parquet files and back: each kind of row is written and read side by side, so
-the two cannot drift apart (a datum's, beside Datum in datums.py). The columns are the schemas of
+the two cannot drift apart (datums are written column by column: datums.py). The columns are the schemas of
 retool/files/tables.py (tests/test_rows.py holds each mapping to its schema, column for column)."""
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ import pyarrow.compute as pc
 from retool.config.reward import RewardConfig
 from retool.config.rollout import RolloutConfig
 from retool.data.frontier import Draw
-from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
+from retool.files.tables import OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
 from retool.protocol.chat import ChatProtocol
-from retool.rollout.datums import build_datums, datum_row
+from retool.rollout.datums import build_datums, datums_to_table
 from retool.rollout.replay import StaleInputError
 from retool.rollout.rows import (
     observation_row,
@@ -137,14 +137,14 @@ def datums_table(
 ) -> pa.Table:
     """BuildDatums: the replayed trajectories of the groups ScoreTrajectories kept (but those it masked), with the
     advantages it assigned."""
-    rows = {(row["question_index"], row["group_index"]): row for row in scored.to_pylist()}
+    columns = ["question_index", "group_index", "advantage", "kept", "masked"]
+    rows = {(row["question_index"], row["group_index"]): row for row in scored.select(columns).to_pylist()}
     for trajectory in trajectories:
         restore_score(trajectory, rows[(trajectory.question_index, trajectory.group_index)])
     ordered = sorted(
         (t for t in trajectories if t.kept and not t.masked), key=lambda t: (t.question_index, t.group_index)
     )
-    rows = [datum_row(datum, step, policy_step) for datum in build_datums(ordered, trainer_max_tokens)]
-    return table_from_rows(rows, DATUMS)
+    return datums_to_table(build_datums(ordered, trainer_max_tokens), step, policy_step)
 
 
 def in_question_order(table: pa.Table) -> pa.Table:

@@ -112,7 +112,7 @@ class Trajectory:
         if not self.turns:
             return list(self.next_prompt_tokens or [])
         last = self.turns[-1]
-        return [*last.prompt_tokens, *last.completion_tokens]
+        return [*map(int, last.prompt_tokens), *map(int, last.completion_tokens)]  # lists or numpy views
 
 
 @dataclass(frozen=True)

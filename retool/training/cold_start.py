@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy
 import pyarrow as pa
 
 from retool.config.cold_start import ColdStartConfig
@@ -84,7 +85,7 @@ def sft_examples_table(
         untrained = {number for number, turn in enumerate(conversation.turns) if not turn.trained}
         if untrained:  # turns kept as context only: their tokens leave the loss
             turn_of = trajectory_sequence(trajectory).turn_of[1:]
-            datum = replace(datum, loss_mask=[m and turn_of[i] not in untrained for i, m in enumerate(datum.loss_mask)])
+            datum = replace(datum, loss_mask=datum.loss_mask & ~numpy.isin(turn_of, sorted(untrained)))
         rows.append(
             {
                 "example_id": conversation.id,
