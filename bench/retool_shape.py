@@ -33,7 +33,7 @@ class Shape:
     keeps_calling: float = 0.10  # calls until max_code_calls ends it
 
 
-SHAPE = Shape()
+SHAPE = Shape()  # what the script draws from: `bench scale` sets it per step (forked workers inherit it)
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Branch:
 
 
 @lru_cache(maxsize=None)
-def branch_of(question: int, branch: int, shape: Shape = SHAPE) -> Branch:
+def branch_of(question: int, branch: int, shape: Shape) -> Branch:
     rng = random.Random(question * 1_000_003 + branch)
     skill = random.Random(question).random()  # the question's pass rate: groups of every mix
     calls = rng.choices(range(len(shape.call_weights)), shape.call_weights)[0]
@@ -79,9 +79,9 @@ def retool_shaped_policy(settings: RunSettings) -> ScriptedSampler:
 
     def script(request: SampleRequest, index: int):
         question, group, turn = request.question_index, request.group_indices[index], seed_field(request.seed, "turn")
-        plan = branch_of(question, group)
+        plan = branch_of(question, group, SHAPE)
         start = (question * 7919 + group * 104729 + turn * 1299709) % (len(filler) - limit)
-        reasoning = filler[start : start + min(plan.turn_lengths[turn], limit - 1)]
+        reasoning = filler[start : start + min(plan.turn_lengths[turn], limit - 64)]  # room for the call or answer
         if turn < plan.calls or plan.ending == "keeps_calling":
             code = f"print(' '.join(str(i) for i in range({plan.outputs[turn]})))"
             ending = encode(tool_call_text(code, protocol.tool_format, "Let me compute."))

@@ -13,14 +13,17 @@ import json
 import math
 import os
 import resource
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import luigi
 
+import bench.retool_shape
 from bench.benchmarks import REPO, luigi_build
-from bench.retool_shape import SHAPE, PrintingSandbox, script_material
+from bench.retool_shape import PrintingSandbox, Shape, script_material
 from retool.config.settings import RunSettings
 from retool.protocol.chat import BUNDLED_TEMPLATE
 from retool.run.shared import protocol_for
@@ -37,14 +40,20 @@ ROLLOUT = {
 }
 GROUP = 16  # samples per question, as the recipes draw them
 SIZES = ((64, 1), (256, 4), (1024, 16), (4096, 64), (8192, 64))  # (trajectories, shards) of each measured step
+# The GPU step's trajectories (about 7k tokens each: turns 5 x as long, up to 4096 tokens) at a quarter of its 8192,
+# in configs/node8.cfg's 8 shards and in 64
+LONG, LONG_TURNS, LONG_TURN_TOKENS, LONG_SHARDS = 2048, 5, 4096, (8, 64)
+SHAPE_TURNS = Shape().turn_tokens  # the median turn of the sizes' steps
 
 
-def settings_for(workdir: Path, name: str, trajectories: int, shards: int) -> RunSettings:
+def settings_for(
+    workdir: Path, name: str, trajectories: int, shards: int, turn_tokens: int = ROLLOUT["max_assistant_tokens"]
+) -> RunSettings:
     return RunSettings().changed(
         run={"name": name, "runs_dir": str(workdir), "device": "cpu", "tracker": "none"},
         model={"name": str(DEFAULT_MODEL_DIR), "chat_template": str(BUNDLED_TEMPLATE)},
         data={"train": str(REPO / "data/synthetic_train.jsonl"), "questions_per_step": trajectories // GROUP},
-        rollout={**ROLLOUT, "group_size": GROUP, "shards": shards},
+        rollout={**ROLLOUT, "group_size": GROUP, "shards": shards, "max_assistant_tokens": turn_tokens},
         sampler={"engine": "scripted:bench.retool_shape:retool_shaped_policy"},
         trainer={"micro_batch_tokens": 16384, "micro_batch_items": 8},
     )
@@ -142,7 +151,9 @@ def plan_training(settings: RunSettings) -> dict:
     }
 
 
-def measure_step(workdir: Path, trajectories: int, shards: int, workers: int = 1, luigid: bool = False) -> dict:
+def measure_step(
+    workdir: Path, trajectories: int, shards: int, workers: int = 1, luigid: bool = False, shape: Shape = Shape()
+) -> dict:
     """One step of `trajectories` in `shards` through Luigi (`workers` processes; with `luigid`, a central
     scheduler on this machine): each stage's figures, summed over its tasks, and the step's tokens, files and
     scheduling."""
@@ -152,8 +163,10 @@ def measure_step(workdir: Path, trajectories: int, shards: int, workers: int = 1
     from retool.files.tables import TRAJECTORIES, read_table
     from retool.sampling import engines
 
-    name = f"scale-{trajectories}-{shards}-{workers}{'-luigid' if luigid else ''}"
-    settings = settings_for(workdir, name, trajectories, shards)
+    name = f"scale-{trajectories}-{shards}-{workers}{'-luigid' if luigid else ''}-{shape.turn_tokens}"
+    bench.retool_shape.SHAPE = shape
+    long = shape.turn_tokens != SHAPE_TURNS
+    settings = settings_for(workdir, name, trajectories, shards, *([LONG_TURN_TOKENS] if long else []))
     engines._engines.clear()  # the script answers this step's questions
     script_material(settings)
     _LOG = workdir / f"{name}.jsonl"
@@ -186,6 +199,7 @@ def measure_step(workdir: Path, trajectories: int, shards: int, workers: int = 1
         "shards": shards,
         "workers": workers,
         "scheduler": "luigid" if luigid else "local",
+        "turn_tokens": shape.turn_tokens,
         "tokens": sum(scored.column("trajectory_tokens").to_pylist()),
         "sampled_tokens": sum(scored.column("sampled_tokens").to_pylist()),
         "stop_reasons": dict(sorted(_count(scored.column("stop_reason").to_pylist()).items())),
@@ -215,56 +229,70 @@ def exponent(points: list[tuple[float, float]]) -> float:
 STAGE_ORDER = ("Prompts", "SampleRound", "ExecuteRound", "ScoreTrajectories", "BuildDatums", "TrainStep (plan only)")
 
 
-def bench_scale(workdir: Path, sizes=SIZES, workers: tuple[int, ...] = (1, 2), luigid: bool = True):
-    """Each size with --workers 1; the largest also with each other count of workers, and (`luigid`) with two
-    under a central scheduler. A table row per step and stage, each stage's growth exponent, and a plot."""
+def bench_scale(workdir: Path, sizes=SIZES, workers: tuple[int, ...] = (1, 2), luigid: bool = True, long: bool = True):
+    """Each size with --workers 1; then (`long`) the GPU step's trajectories at a quarter of their count in each of
+    LONG_SHARDS with each count of `workers`, and (`luigid`) in 64 with two under a central scheduler. A table row
+    per step and stage, each stage's growth exponent, a plot, and the modelled GPU node's share."""
     import torch
 
     _install()
     protocol_for(settings_for(workdir, "warm", 64, 1).model)  # the tokenizer, loaded before any clock starts
     steps = [measure_step(workdir, trajectories, shards) for trajectories, shards in sizes]
-    largest = sizes[-1]
-    steps += [measure_step(workdir, *largest, workers=count) for count in workers if count != 1]
-    if luigid:
-        steps.append(measure_step(workdir, *largest, workers=2, luigid=True))
+    if long:
+        longer = Shape(turn_tokens=SHAPE_TURNS * LONG_TURNS)
+        for shards in LONG_SHARDS:
+            steps += [measure_step(workdir, LONG, shards, workers=count, shape=longer) for count in workers]
+        if luigid:
+            steps.append(measure_step(workdir, LONG, LONG_SHARDS[-1], workers=2, luigid=True, shape=longer))
     rows = [
         ("machine", f"{os.cpu_count()} cores, torch cpu capability {torch.backends.cpu.get_cpu_capability()}"),
-        ("shape", f"{SHAPE}; rollout {ROLLOUT}, group {GROUP}"),
+        ("shape", f"{Shape()} (long: turn_tokens x {LONG_TURNS}); rollout {ROLLOUT}, group {GROUP}"),
     ]
     for step in steps:
-        label = f"{step['trajectories']} x, {step['shards']} shards, --workers {step['workers']} ({step['scheduler']})"
-        rows.append(
-            (
-                label,
-                f"{step['tokens'] / 1e6:.2f} M tokens, {step['tasks']} tasks, {step['files']} files, wall "
-                f"{step['wall']:.1f} s, first stage after {step['first_stage_after']:.1f} s, outside stages "
-                f"{step['wall'] - step['in_stages'] - step['first_stage_after']:.1f} s; stops {step['stop_reasons']}",
-            )
-        )
-        for name in STAGE_ORDER:
-            figures = step["stages"].get(name)
-            if figures:
-                rows.append(
-                    (
-                        f"  {name}",
-                        f"{figures['seconds']:.2f} s, peak {figures['peak_bytes'] / 2**30:.2f} GiB, read "
-                        f"{figures['read_bytes'] / 2**20:.1f} MiB, written {figures['written_bytes'] / 2**20:.1f} MiB "
-                        f"(files {figures['output_bytes'] / 2**20:.1f} MiB in {int(figures['files'])}), "
-                        f"{int(figures['tasks'])} tasks",
-                    )
-                )
-    single = [step for step in steps if step["workers"] == 1 and step["scheduler"] == "local"]
+        rows += step_rows(step)
+    single = [s for s in steps if s["workers"] == 1 and s["scheduler"] == "local" and s["turn_tokens"] == SHAPE_TURNS]
     for name in STAGE_ORDER:
         points = [(s["tokens"], s["stages"][name]["seconds"]) for s in single if name in s["stages"]]
         memory = [(s["tokens"], s["stages"][name]["peak_bytes"]) for s in single if name in s["stages"]]
         if len(points) > 1:
             rows.append((f"exponent {name}", f"seconds ~ tokens^{exponent(points):.2f}, peak ~ {exponent(memory):.2f}"))
-    if len(single) > 1:
-        rows += gpu_node_share(steps)
+    if long and len(single) > 1 and 2 in workers:
+        for shards in LONG_SHARDS:
+            rows += gpu_node_share(workdir, steps, single, shards)
     (workdir / "scale.json").write_text(json.dumps(steps, indent=1))
     if len(single) > 1:
         draw(single, workdir / "scale.png")
     rows.append(("figures", f"{workdir / 'scale.json'}, plot {workdir / 'scale.png'}"))
+    return rows
+
+
+def step_rows(step: dict) -> list[tuple[str, str]]:
+    """A step's line and a line per stage."""
+    long = f", turns x {step['turn_tokens'] // SHAPE_TURNS}" if step["turn_tokens"] != SHAPE_TURNS else ""
+    outside = step["wall"] - step["in_stages"] - step["first_stage_after"]
+    label = (
+        f"{step['trajectories']} x{long}, {step['shards']} shards, --workers {step['workers']} ({step['scheduler']})"
+    )
+    rows = [
+        (
+            label,
+            f"{step['tokens'] / 1e6:.2f} M tokens, {step['tasks']} tasks, {step['files']} files, wall "
+            f"{step['wall']:.1f} s, first stage after {step['first_stage_after']:.1f} s, outside stages "
+            f"{outside:.1f} s; stops {step['stop_reasons']}",
+        )
+    ]
+    for name in STAGE_ORDER:
+        figures = step["stages"].get(name)
+        if figures:
+            rows.append(
+                (
+                    f"  {name}",
+                    f"{figures['seconds']:.2f} s, peak {figures['peak_bytes'] / 2**30:.2f} GiB, read "
+                    f"{figures['read_bytes'] / 2**20:.1f} MiB, written {figures['written_bytes'] / 2**20:.1f} MiB "
+                    f"(files {figures['output_bytes'] / 2**20:.1f} MiB in {int(figures['files'])}), "
+                    f"{int(figures['tasks'])} tasks",
+                )
+            )
     return rows
 
 
@@ -291,7 +319,7 @@ def draw(steps: list[dict], path: Path) -> None:
 
 # -- the share of a GPU node's step ------------------------------------------------------------------------------
 # Assumptions, not measurements of this machine: an 8 x H100 node training a 4B model on the recipes' step.
-GPU_STEP_TRAJECTORIES, GPU_STEP_TOKENS = 8192, 8192 * 8192  # 512 questions x 16 samples of 8k tokens: 67 M tokens
+GPU_STEP_TRAJECTORIES = 8192  # 512 questions x 16 samples, of the long shape (about 8k tokens each)
 NODE_GPUS = 8
 NODE_CORES = 64  # CPU cores for Luigi's workers beside the GPUs (an 8-GPU node has 96 to 224)
 GENERATION_TOKENS_PER_SECOND = 20_000  # per GPU: vLLM decoding a 4B model at large batch
@@ -300,44 +328,68 @@ GPU_FLOPS = 989e12 * 0.4  # an H100's dense bfloat16 peak at 40 % utilisation
 PARALLEL_STAGES = ("SampleRound", "ExecuteRound")  # one task per shard and round: they spread over the workers
 
 
-def gpu_node_share(steps: list[dict]) -> list[tuple[str, str]]:
-    """The pipeline's own time in the modelled GPU node's step: each stage's seconds at the largest measured size,
-    grown to GPU_STEP_TOKENS by its fitted exponent (at least linearly) and by the trajectories for the per-task
-    overhead; the rollout stages' share spread over min(cores, shards) workers at the parallel efficiency measured
-    here from --workers 1 to 2."""
-    single = [s for s in steps if s["workers"] == 1 and s["scheduler"] == "local"]
-    largest = single[-1]
-    growth = GPU_STEP_TOKENS / largest["tokens"]
-    two = [s for s in steps if s["workers"] == 2 and s["scheduler"] == "local"]
-    efficiency = min(1.0, largest["wall"] / two[0]["wall"] / 2) if two else 0.5
-    workers = min(NODE_CORES, largest["shards"]) * efficiency
+FORK_PROBE = """
+import os, sys, time
+import pipeline.tasks
+from bench.scale import settings_for
+from retool.run.shared import protocol_for
+protocol_for(settings_for(sys.argv[1], "fork", 64, 1).model)
+times = []
+for _ in range(21):
+    started = time.perf_counter()
+    child = os.fork()
+    if child == 0:
+        os._exit(0)
+    times.append(time.perf_counter() - started)
+    os.waitpid(child, 0)
+print(sorted(times)[10])
+"""
+
+
+def fork_seconds(workdir: Path) -> float:
+    """What a command's scheduling process pays to start a task's process with --workers > 1: one fork of itself
+    (the pipeline imported and the tokenizer loaded, as when it schedules; median of 21), measured in a new one."""
+    probe = subprocess.run(
+        [sys.executable, "-c", FORK_PROBE, str(workdir)], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    return float(probe.stdout.split()[-1])
+
+
+def gpu_node_share(workdir: Path, steps: list[dict], single: list[dict], shards: int) -> list[tuple[str, str]]:
+    """The pipeline's own time in the modelled GPU node's step, from the long step (a quarter of its trajectories):
+    the single-task stages as measured with one worker, the rollout stages as measured in forked workers (two)
+    spread over min(cores, shards) of them, each grown to the node's trajectories by its exponent (at least
+    linearly); Luigi's own work outside the stages with one worker and a fork per task, in its one process."""
+    long = [s for s in steps if s["turn_tokens"] != SHAPE_TURNS and s["scheduler"] == "local" and s["shards"] == shards]
+    one, two = (next(s for s in long if s["workers"] == count) for count in (1, 2))
+    growth = GPU_STEP_TRAJECTORIES / one["trajectories"]
     serial, parallel = 0.0, 0.0
     for name in STAGE_ORDER:
         points = [(s["tokens"], s["stages"][name]["seconds"]) for s in single if name in s["stages"]]
-        seconds = largest["stages"][name]["seconds"] * growth ** max(1.0, exponent(points))
+        power = growth ** max(1.0, exponent(points))
         if name in PARALLEL_STAGES:
-            parallel += seconds / workers
+            parallel += two["stages"][name]["seconds"] * power / min(NODE_CORES, two["shards"])
         else:
-            serial += seconds
-    scheduling = largest["wall"] - largest["in_stages"]  # Luigi's time outside the stages: grows with the tasks
-    sampled_share = largest["sampled_tokens"] / largest["tokens"]
-    sampling = GPU_STEP_TOKENS * sampled_share / (NODE_GPUS * GENERATION_TOKENS_PER_SECOND)
-    training = GPU_STEP_TOKENS * TRAINING_FLOPS_PER_TOKEN / (NODE_GPUS * GPU_FLOPS)
+            serial += one["stages"][name]["seconds"] * power
+    fork = fork_seconds(workdir)
+    scheduling = one["wall"] - one["in_stages"] + one["tasks"] * fork
+    tokens, sampled_share = one["tokens"] * growth, one["sampled_tokens"] / one["tokens"]
+    sampling = tokens * sampled_share / (NODE_GPUS * GENERATION_TOKENS_PER_SECOND)
+    training = tokens * TRAINING_FLOPS_PER_TOKEN / (NODE_GPUS * GPU_FLOPS)
     own = serial + parallel + scheduling
     step = sampling + training + own
     return [
         (
-            "GPU node model",
-            f"{NODE_GPUS} GPUs, {NODE_CORES} cores; {GPU_STEP_TRAJECTORIES} trajectories, "
-            f"{GPU_STEP_TOKENS / 1e6:.0f} M tokens ({sampled_share:.0%} sampled): sampling {sampling:.0f} s at "
-            f"{GENERATION_TOKENS_PER_SECOND} tokens/s a GPU, training {training:.0f} s at "
-            f"{GPU_FLOPS / 1e12:.0f} TFLOP/s a GPU",
+            f"GPU node model, {shards} shards",
+            f"{NODE_GPUS} GPUs, {NODE_CORES} cores; {GPU_STEP_TRAJECTORIES} trajectories, {tokens / 1e6:.0f} M tokens "
+            f"({sampled_share:.0%} sampled): sampling {sampling:.0f} s at {GENERATION_TOKENS_PER_SECOND} tokens/s a "
+            f"GPU, training {training:.0f} s at {GPU_FLOPS / 1e12:.0f} TFLOP/s a GPU",
         ),
         (
             "  pipeline's own time",
-            f"{own:.1f} s: single-task stages {serial:.1f} s, rollout stages {parallel:.1f} s over {workers:.1f} "
-            f"workers (efficiency {efficiency:.2f} measured at 2), scheduling {scheduling:.1f} s "
-            f"({largest['tasks']} tasks); x{growth:.1f} the tokens measured",
+            f"{own:.1f} s: single-task stages {serial:.1f} s, rollout stages {parallel:.1f} s over "
+            f"{min(NODE_CORES, two['shards'])} workers, scheduling {scheduling:.1f} s ({one['tasks']} tasks, a fork "
+            f"{fork * 1000:.1f} ms); x{growth:.0f} the long step's trajectories",
         ),
         ("  share of the step", f"{own / step:.2%} of {step:.0f} s (goal <= 2 %)"),
     ]

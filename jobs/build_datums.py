@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from pathlib import Path
 
-import pyarrow as pa
-
 from retool.config.settings import RunSettings
 from retool.files.layout import RoundPaths
-from retool.files.tables import DATUMS, TRAJECTORIES, read_table, table_from_rows, write_table_atomically
+from retool.files.tables import TRAJECTORIES, read_table, write_table_atomically
+from retool.rollout.datums import datums_to_table, in_file_types
 from retool.rollout.replay import replay_files, shard_of
-from retool.rollout.stage_tables import datums_table, describe_datums, in_question_order
+from retool.rollout.stage_tables import describe_datums, trained_datums
 from retool.run.shared import policy_step, protocol_for
 
 
@@ -19,17 +19,17 @@ def build_datums(
     prompts: Path, shards: Sequence[Sequence[RoundPaths]], trajectories: Path, out: Path, run: RunSettings, step: int
 ) -> str:
     """`shards`: every round of every shard; `trajectories`: the step's scores, advantages and kept groups. One shard
-    is replayed at a time (a question's group lies in one shard), so the process holds one shard's tokens as Python
-    values and the step's datums as Arrow columns."""
+    is replayed at a time (a question's group lies in one shard): the process holds one shard's round files and the
+    step's datums, in the file's types, which the shards' (question, branch) orders merge into the file's."""
     scored, protocol = read_table(trajectories, TRAJECTORIES), protocol_for(run.model)
     in_shard = shard_of(scored.column("question_index").to_numpy(), len(shards))  # each score's shard
-    tables = []
+    datums = []
     for shard, rounds in enumerate(shards):
         replayed = replay_files(prompts, rounds, protocol, run.rollout, shard)
-        shard_scores = scored.filter(in_shard == shard)
-        tables.append(
-            datums_table(replayed, shard_scores, step, policy_step(run, step), run.rollout.trainer_max_tokens)
-        )
-    table = in_question_order(pa.concat_tables(tables) if tables else table_from_rows([], DATUMS))
+        built = trained_datums(replayed, scored.filter(in_shard == shard), run.rollout.trainer_max_tokens)
+        datums.append([in_file_types(datum) for datum in built])
+    table = datums_to_table(
+        list(heapq.merge(*datums, key=lambda d: (d.question_index, d.group_index))), step, policy_step(run, step)
+    )
     write_table_atomically(table, out)
     return describe_datums(table)

@@ -199,7 +199,8 @@ def _read_published(path: str, inode: int, mtime_ns: int, size: int, columns: tu
     stage replays its shard from every earlier round file, and a process runs many stages."""
     parquet = pq.ParquetFile(path)  # not read_table: its dataset layer costs a millisecond a file
     if columns is not None:
-        columns = [name for name in columns if name in parquet.schema_arrow.names]  # added later: filled in by caller
+        present = set(parquet.schema_arrow.names)
+        columns = [name for name in columns if name in present]  # one added later: filled in by the caller
     return parquet.read(columns=columns)
 
 

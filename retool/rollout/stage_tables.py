@@ -14,7 +14,7 @@ from retool.config.rollout import RolloutConfig
 from retool.data.frontier import Draw
 from retool.files.tables import OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
 from retool.protocol.chat import ChatProtocol
-from retool.rollout.datums import build_datums, datums_to_table
+from retool.rollout.datums import Datum, build_datums, datums_to_table
 from retool.rollout.replay import StaleInputError
 from retool.rollout.rows import (
     observation_row,
@@ -135,8 +135,13 @@ def trajectories_table(trajectories: Sequence[Trajectory], step: int, policy_ste
 def datums_table(
     trajectories: Sequence[Trajectory], scored: pa.Table, step: int, policy_step: int, trainer_max_tokens: int
 ) -> pa.Table:
-    """BuildDatums: the replayed trajectories of the groups ScoreTrajectories kept (but those it masked), with the
-    advantages it assigned."""
+    """BuildDatums: the datums of `trained_datums`, as datums.parquet."""
+    return datums_to_table(trained_datums(trajectories, scored, trainer_max_tokens), step, policy_step)
+
+
+def trained_datums(trajectories: Sequence[Trajectory], scored: pa.Table, trainer_max_tokens: int) -> list[Datum]:
+    """The replayed trajectories of the groups ScoreTrajectories kept (but those it masked), with the advantages it
+    assigned, as datums in (question, branch) order."""
     columns = ["question_index", "group_index", "advantage", "kept", "masked"]
     rows = {(row["question_index"], row["group_index"]): row for row in scored.select(columns).to_pylist()}
     for trajectory in trajectories:
@@ -144,12 +149,7 @@ def datums_table(
     ordered = sorted(
         (t for t in trajectories if t.kept and not t.masked), key=lambda t: (t.question_index, t.group_index)
     )
-    return datums_to_table(build_datums(ordered, trainer_max_tokens), step, policy_step)
-
-
-def in_question_order(table: pa.Table) -> pa.Table:
-    """The rows of a table with one row per branch (e.g. every shard's datums), by question, then branch."""
-    return table.take(pc.sort_indices(table, [("question_index", "ascending"), ("group_index", "ascending")]))
+    return build_datums(ordered, trainer_max_tokens)
 
 
 # One-line summaries of each stage's output, for the log.
