@@ -4,8 +4,9 @@ The real Luigi tasks, files, rollout, scoring, datum and packing code run one RL
 cost nothing (bench/retool_shape.py: a script that returns trajectories shaped like ReTool's, and a stand-in that
 returns what the real sandbox would print for the scripted code). The trainer only plans the step: it reads the
 datums as the trainer does and packs them into micro-batches. Every stage's process is measured from inside
-(Luigi's events, in each worker process): seconds, peak resident memory (VmHWM, reset at the stage's start), bytes
-read and written (/proc/self/io), files written; and the command's scheduling (tasks, seconds outside stages)."""
+(Luigi's events, in each worker process): seconds (the scripted sampler's apart), peak resident memory (VmHWM,
+reset at the stage's start), bytes read and written (/proc/self/io), files written; and the command's scheduling
+(tasks, seconds outside stages)."""
 
 from __future__ import annotations
 
@@ -81,22 +82,30 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current resident memory
 
 
+def _sampler_seconds() -> float:
+    """Seconds this process's scripted samplers have spent sampling: the sampler's, not the pipeline's."""
+    from retool.sampling import engines
+
+    return sum(getattr(engine, "seconds", 0.0) for engine in engines._engines.values())
+
+
 def _started(task) -> None:
     if _LOG is not None:
         _reset_peak()
-        task.scale_started = (time.time(), time.perf_counter(), _io())
+        task.scale_started = (time.time(), time.perf_counter(), _io(), _sampler_seconds())
 
 
 def _finished(task) -> None:
     if _LOG is None or not hasattr(task, "scale_started"):
         return
-    wall, started, io = task.scale_started
+    wall, started, io, sampling = task.scale_started
     now = _io()
     outputs = [Path(target.path) for target in luigi.task.flatten(task.output())]
     figures = {
         "stage": task.task_family,
         "started": wall,
-        "seconds": time.perf_counter() - started,
+        "seconds": time.perf_counter() - started - (_sampler_seconds() - sampling),  # the pipeline's own
+        "sampler_seconds": _sampler_seconds() - sampling,
         "peak_bytes": _peak_bytes(),
         "read_bytes": now["read"] - io["read"],
         "written_bytes": now["written"] - io["written"],
@@ -189,8 +198,8 @@ def measure_step(
     for record in [*records, planned]:
         stage = stages[record["stage"]]
         stage["tasks"] += 1
-        for key in ("seconds", "read_bytes", "written_bytes", "output_bytes", "files"):
-            stage[key] += record[key]
+        for key in ("seconds", "sampler_seconds", "read_bytes", "written_bytes", "output_bytes", "files"):
+            stage[key] += record.get(key, 0.0)
         stage["peak_bytes"] = max(stage["peak_bytes"], record["peak_bytes"])
     scored = read_table(RunFolder(settings.run_dir).step(0).trajectories, TRAJECTORIES)
     step_folder = RunFolder(settings.run_dir).step(0).path
@@ -205,7 +214,7 @@ def measure_step(
         "stop_reasons": dict(sorted(_count(scored.column("stop_reason").to_pylist()).items())),
         "wall": wall,
         "first_stage_after": min(r["started"] for r in records) - started,
-        "in_stages": sum(r["seconds"] for r in records) / workers,
+        "in_stages": sum(r["seconds"] + r["sampler_seconds"] for r in records) / workers,
         "tasks": len(records),
         "files": sum(1 for path in step_folder.rglob("*") if path.is_file()),
         "stages": {name: dict(figures) for name, figures in stages.items()},
@@ -290,7 +299,12 @@ def step_rows(step: dict) -> list[tuple[str, str]]:
                     f"{figures['seconds']:.2f} s, peak {figures['peak_bytes'] / 2**30:.2f} GiB, read "
                     f"{figures['read_bytes'] / 2**20:.1f} MiB, written {figures['written_bytes'] / 2**20:.1f} MiB "
                     f"(files {figures['output_bytes'] / 2**20:.1f} MiB in {int(figures['files'])}), "
-                    f"{int(figures['tasks'])} tasks",
+                    f"{int(figures['tasks'])} tasks"
+                    + (
+                        f"; the scripted sampler {figures['sampler_seconds']:.2f} s more"
+                        if name == "SampleRound"
+                        else ""
+                    ),
                 )
             )
     return rows

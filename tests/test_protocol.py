@@ -75,7 +75,8 @@ def test_next_prompt_extends_tokens_over_three_tool_rounds(tokenizer, bundled, p
         text = tool_call_text(f"print(pow(2, 100 + {round_number}, 7))", protocol.tool_format)
         tokens, _ = completion(protocol, text, close=round_number != 1)  # round 1 stops on </tool_call>
         observation = f"{round_number}\nline two"
-        next_prompt = protocol.build_next_prompt(prompt, tokens, messages, observation, f"code-0-0-{round_number + 1}")
+        delta = protocol.observation_delta(messages, tokens, observation, f"code-0-0-{round_number + 1}")
+        next_prompt = protocol.build_next_prompt(prompt, tokens, delta)
         assert next_prompt[: len(prompt) + len(tokens)] == prompt + tokens
         messages = [
             *messages,

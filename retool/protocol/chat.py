@@ -4,7 +4,10 @@ after a tool observation (tool calls themselves: retool.protocol.tool_calls)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
+
+import numpy
 
 from retool.protocol.tool_calls import CODE_INTERPRETER_TOOL, PROTOCOL_TAGS, TOOL_FORMATS, TOOL_NAME
 
@@ -115,8 +118,9 @@ class ChatProtocol:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+    def decode(self, tokens: Sequence[int]) -> str:
+        # As an array: transformers then converts it at once rather than checking each id's type (a turn has thousands)
+        return self.tokenizer.decode(numpy.asarray(tokens, numpy.int64), skip_special_tokens=True)
 
     def count_tokens(self, text: str) -> int:
         return len(self.encode(text))
@@ -178,20 +182,12 @@ class ChatProtocol:
         )
         return delta_ids[emitted:]
 
+    @staticmethod
     def build_next_prompt(
-        self,
-        prompt_tokens: list[int],
-        completion_tokens: list[int],
-        messages_before_assistant: list[dict],
-        tool_content: str,
-        call_id: str,
+        prompt_tokens: Sequence[int], completion_tokens: Sequence[int], delta: list[int]
     ) -> list[int]:
-        """P(i+1) = P(i) + C(i) + D(i): history is never re-tokenized from text."""
-        return [
-            *prompt_tokens,
-            *completion_tokens,
-            *self.observation_delta(messages_before_assistant, completion_tokens, tool_content, call_id),
-        ]
+        """P(i+1) = P(i) + C(i) + D(i) (`delta`: observation_delta's): history is never re-tokenized from text."""
+        return [*prompt_tokens, *completion_tokens, *delta]
 
     def tool_wrapper_tokens(self, messages_before_assistant: list[dict]) -> int:
         """Tokens an observation costs besides its content (closing, wrapper, next prefix)."""

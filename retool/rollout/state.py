@@ -298,20 +298,22 @@ def fit_tool_content(
 ) -> tuple[str, list[int]] | None:
     """The observation and next prompt, with the content cut to its tail so that it holds at most
     max_tool_response_tokens and the next prompt at most max_trajectory_tokens; None when nothing fits."""
-
-    def next_prompt(text: str) -> list[int]:
-        return protocol.build_next_prompt(
-            pending.prompt_tokens, pending.completion_tokens, pending.messages_before_assistant, text, pending.call_id
-        )
+    before = len(pending.prompt_tokens) + len(pending.completion_tokens)
+    deltas: dict[str, list[int]] = {}  # D(i) of each text tried: the next prompt is built once, for the one kept
 
     def overflow(text: str) -> int:
+        deltas[text] = protocol.observation_delta(
+            pending.messages_before_assistant, pending.completion_tokens, text, pending.call_id
+        )
         return max(
             protocol.count_tokens(text) - config.max_tool_response_tokens,
-            len(next_prompt(text)) - config.max_trajectory_tokens,
+            before + len(deltas[text]) - config.max_trajectory_tokens,
         )
 
     text = cut_to_fit(content, protocol, overflow)
-    return None if text is None else (text, next_prompt(text))
+    if text is None:
+        return None
+    return text, protocol.build_next_prompt(pending.prompt_tokens, pending.completion_tokens, deltas[text])
 
 
 def finish_advance(

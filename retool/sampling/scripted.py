@@ -22,6 +22,7 @@ class ScriptedSampler:
     seconds_per_token: float = 0.0  # simulated decode latency
     requests: list[SampleRequest] = field(default_factory=list)  # every request seen, in order (if keep_requests)
     keep_requests: bool = True  # False at scale: the requests hold every prompt's tokens
+    seconds: float = 0.0  # spent in sample() so far: what a benchmark leaves out of the pipeline's own time
     policy: Policy | None = None  # the policy it was last switched to (it replays the same script for any)
 
     def use_policy(self, policy: Policy | None, in_memory: Mapping[str, Any] | None = None) -> None:
@@ -37,6 +38,13 @@ class ScriptedSampler:
         pass
 
     def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
+        started = time.perf_counter()
+        try:
+            return self._sample(requests, settings)
+        finally:
+            self.seconds += time.perf_counter() - started
+
+    def _sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
         replies = []
         for request in requests:
             if self.keep_requests:
