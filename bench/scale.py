@@ -13,18 +13,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-import luigi
-
 import bench.retool_shape
+from bench import stage_meter
 from bench.benchmarks import REPO, luigi_build
-from bench.retool_shape import PrintingSandbox, Shape, script_material
+from bench.retool_shape import Shape, script_material
 from retool.config.settings import RunSettings
 from retool.protocol.chat import BUNDLED_TEMPLATE
 from retool.run.shared import protocol_for
@@ -60,113 +58,12 @@ def settings_for(
     )
 
 
-# -- measuring each stage from inside its process ---------------------------------------------------------------
-
-_LOG: Path | None = None  # where each finished stage appends its figures (a JSON line)
-
-
-def _io() -> dict[str, int]:
-    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return {"read": int(fields["rchar"]), "written": int(fields["wchar"])}
-
-
-def _peak_bytes() -> int:
-    """The process's peak resident memory since the last reset (VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current resident memory
-
-
-def _sampler_seconds() -> float:
-    """Seconds this process's scripted samplers have spent sampling: the sampler's, not the pipeline's."""
-    from retool.sampling import engines
-
-    return sum(getattr(engine, "seconds", 0.0) for engine in engines._engines.values())
-
-
-def _started(task) -> None:
-    if _LOG is not None:
-        _reset_peak()
-        task.scale_started = (time.time(), time.perf_counter(), _io(), _sampler_seconds())
-
-
-def _finished(task) -> None:
-    if _LOG is None or not hasattr(task, "scale_started"):
-        return
-    wall, started, io, sampling = task.scale_started
-    now = _io()
-    outputs = [Path(target.path) for target in luigi.task.flatten(task.output())]
-    figures = {
-        "stage": task.task_family,
-        "started": wall,
-        "seconds": time.perf_counter() - started - (_sampler_seconds() - sampling),  # the pipeline's own
-        "sampler_seconds": _sampler_seconds() - sampling,
-        "peak_bytes": _peak_bytes(),
-        "read_bytes": now["read"] - io["read"],
-        "written_bytes": now["written"] - io["written"],
-        "output_bytes": sum(path.stat().st_size for path in outputs if path.is_file()),
-        "files": len(outputs),
-        "pid": os.getpid(),
-    }
-    with _LOG.open("a") as log:
-        log.write(json.dumps(figures) + "\n")
-
-
-def _install() -> None:
-    """Stage hooks on every pipeline task, and the stand-in sandbox (kept by forked workers)."""
-    import jobs.execute_round
-    from pipeline.tasks import RunTask
-
-    RunTask.event_handler(luigi.Event.START)(_started)
-    RunTask.event_handler(luigi.Event.SUCCESS)(_finished)
-    jobs.execute_round.sandbox_for = lambda config: PrintingSandbox()
-
-
-def plan_training(settings: RunSettings) -> dict:
-    """What the trainer does with the step's files before its first forward pass: reads the datums, splits them
-    into mini-batches and packs those into micro-batches with their loss weights."""
-    from retool.files.layout import RunFolder
-    from retool.files.tables import DATUMS, read_table
-    from retool.rollout.datums import datums_from_table
-    from retool.training.packing import loss_token_weights, pack_micro_batches
-    from retool.training.step import mini_batches
-
-    _reset_peak()
-    io, started = _io(), time.perf_counter()
-    config = settings.trainer
-    datums = datums_from_table(read_table(RunFolder(settings.run_dir).step(0).datums, DATUMS))
-    batches = 0
-    for members in mini_batches(len(datums), config.ppo_mini_batches):
-        chosen = [datums[i] for i in members]
-        batches += len(
-            pack_micro_batches([d.num_tokens for d in chosen], config.micro_batch_items, config.micro_batch_tokens)
-        )
-        loss_token_weights([d.loss_tokens for d in chosen], config.loss_aggregation, len(datums))
-    now = _io()
-    return {
-        "stage": "TrainStep (plan only)",
-        "seconds": time.perf_counter() - started,
-        "peak_bytes": _peak_bytes(),
-        "read_bytes": now["read"] - io["read"],
-        "written_bytes": now["written"] - io["written"],
-        "output_bytes": 0,
-        "files": 0,
-        "micro_batches": batches,
-    }
-
-
 def measure_step(
     workdir: Path, trajectories: int, shards: int, workers: int = 1, luigid: bool = False, shape: Shape = Shape()
 ) -> dict:
     """One step of `trajectories` in `shards` through Luigi (`workers` processes; with `luigid`, a central
     scheduler on this machine): each stage's figures, summed over its tasks, and the step's tokens, files and
     scheduling."""
-    global _LOG
     from pipeline.tasks import BuildDatums
     from retool.files.layout import RunFolder
     from retool.files.tables import TRAJECTORIES, read_table
@@ -178,8 +75,8 @@ def measure_step(
     settings = settings_for(workdir, name, trajectories, shards, *([LONG_TURN_TOKENS] if long else []))
     engines._engines.clear()  # the script answers this step's questions
     script_material(settings)
-    _LOG = workdir / f"{name}.jsonl"
-    _LOG.unlink(missing_ok=True)
+    stage_meter.LOG = workdir / f"{name}.jsonl"
+    stage_meter.LOG.unlink(missing_ok=True)
     started = time.time()
     if luigid:
         from bench.cluster import free_port
@@ -191,9 +88,9 @@ def measure_step(
             wall = luigi_build(settings, BuildDatums, workers=workers, scheduler_port=port, step=0)
     else:
         wall = luigi_build(settings, BuildDatums, workers=workers, step=0)
-    records = [json.loads(line) for line in _LOG.read_text().splitlines()]
-    _LOG = None
-    planned = plan_training(settings)
+    records = [json.loads(line) for line in stage_meter.LOG.read_text().splitlines()]
+    stage_meter.LOG = None
+    planned = stage_meter.plan_training(settings)
     stages: dict[str, dict] = defaultdict(lambda: defaultdict(float))
     for record in [*records, planned]:
         stage = stages[record["stage"]]
@@ -244,7 +141,7 @@ def bench_scale(workdir: Path, sizes=SIZES, workers: tuple[int, ...] = (1, 2), l
     per step and stage, each stage's growth exponent, a plot, and the modelled GPU node's share."""
     import torch
 
-    _install()
+    stage_meter.install()
     protocol_for(settings_for(workdir, "warm", 64, 1).model)  # the tokenizer, loaded before any clock starts
     steps = [measure_step(workdir, trajectories, shards) for trajectories, shards in sizes]
     if long:

@@ -1,0 +1,113 @@
+"""Each pipeline stage measured from inside the process that runs it (Luigi's events fire there, in forked workers
+too): seconds (a scripted sampler's own apart), peak resident memory, bytes read and written; and the trainer's
+planning of a step, measured the same way. For `python -m bench scale`."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+import luigi
+
+from bench.retool_shape import PrintingSandbox
+from retool.config.settings import RunSettings
+
+LOG: Path | None = None  # where each finished stage appends its figures (a JSON line); None: not measuring
+
+
+def io_bytes() -> dict[str, int]:
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return {"read": int(fields["rchar"]), "written": int(fields["wchar"])}
+
+
+def peak_bytes() -> int:
+    """The process's peak resident memory since the last reset (VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current resident memory
+
+
+def _sampler_seconds() -> float:
+    """Seconds this process's scripted samplers have spent sampling: the sampler's, not the pipeline's."""
+    from retool.sampling import engines
+
+    return sum(getattr(engine, "seconds", 0.0) for engine in engines._engines.values())
+
+
+def _started(task) -> None:
+    if LOG is not None:
+        reset_peak()
+        task.scale_started = (time.time(), time.perf_counter(), io_bytes(), _sampler_seconds())
+
+
+def _finished(task) -> None:
+    if LOG is None or not hasattr(task, "scale_started"):
+        return
+    wall, started, io, sampling = task.scale_started
+    now = io_bytes()
+    outputs = [Path(target.path) for target in luigi.task.flatten(task.output())]
+    figures = {
+        "stage": task.task_family,
+        "started": wall,
+        "seconds": time.perf_counter() - started - (_sampler_seconds() - sampling),  # the pipeline's own
+        "sampler_seconds": _sampler_seconds() - sampling,
+        "peak_bytes": peak_bytes(),
+        "read_bytes": now["read"] - io["read"],
+        "written_bytes": now["written"] - io["written"],
+        "output_bytes": sum(path.stat().st_size for path in outputs if path.is_file()),
+        "files": len(outputs),
+        "pid": os.getpid(),
+    }
+    with LOG.open("a") as log:
+        log.write(json.dumps(figures) + "\n")
+
+
+def install() -> None:
+    """Stage hooks on every pipeline task, and the stand-in sandbox (kept by forked workers)."""
+    import jobs.execute_round
+    from pipeline.tasks import RunTask
+
+    RunTask.event_handler(luigi.Event.START)(_started)
+    RunTask.event_handler(luigi.Event.SUCCESS)(_finished)
+    jobs.execute_round.sandbox_for = lambda config: PrintingSandbox()
+
+
+def plan_training(settings: RunSettings) -> dict:
+    """What the trainer does with the step's files before its first forward pass: reads the datums, splits them
+    into mini-batches and packs those into micro-batches with their loss weights."""
+    from retool.files.layout import RunFolder
+    from retool.files.tables import DATUMS, read_table
+    from retool.rollout.datums import datums_from_table
+    from retool.training.packing import loss_token_weights, pack_micro_batches
+    from retool.training.step import mini_batches
+
+    reset_peak()
+    io, started = io_bytes(), time.perf_counter()
+    config = settings.trainer
+    datums = datums_from_table(read_table(RunFolder(settings.run_dir).step(0).datums, DATUMS))
+    batches = 0
+    for members in mini_batches(len(datums), config.ppo_mini_batches):
+        chosen = [datums[i] for i in members]
+        batches += len(
+            pack_micro_batches([d.num_tokens for d in chosen], config.micro_batch_items, config.micro_batch_tokens)
+        )
+        loss_token_weights([d.loss_tokens for d in chosen], config.loss_aggregation, len(datums))
+    now = io_bytes()
+    return {
+        "stage": "TrainStep (plan only)",
+        "seconds": time.perf_counter() - started,
+        "peak_bytes": peak_bytes(),
+        "read_bytes": now["read"] - io["read"],
+        "written_bytes": now["written"] - io["written"],
+        "output_bytes": 0,
+        "files": 0,
+        "micro_batches": batches,
+    }
