@@ -141,15 +141,15 @@ def bench_scale(workdir: Path, sizes=SIZES, workers: tuple[int, ...] = (1, 2), l
     per step and stage, each stage's growth exponent, a plot, and the modelled GPU node's share."""
     import torch
 
-    stage_meter.install()
     protocol_for(settings_for(workdir, "warm", 64, 1).model)  # the tokenizer, loaded before any clock starts
-    steps = [measure_step(workdir, trajectories, shards) for trajectories, shards in sizes]
-    if long:
-        longer = Shape(turn_tokens=SHAPE_TURNS * LONG_TURNS)
-        for shards in LONG_SHARDS:
-            steps += [measure_step(workdir, LONG, shards, workers=count, shape=longer) for count in workers]
-        if luigid:
-            steps.append(measure_step(workdir, LONG, LONG_SHARDS[-1], workers=2, luigid=True, shape=longer))
+    with stage_meter.measuring():
+        steps = [measure_step(workdir, trajectories, shards) for trajectories, shards in sizes]
+        if long:
+            longer = Shape(turn_tokens=SHAPE_TURNS * LONG_TURNS)
+            for shards in LONG_SHARDS:
+                steps += [measure_step(workdir, LONG, shards, workers=count, shape=longer) for count in workers]
+            if luigid:
+                steps.append(measure_step(workdir, LONG, LONG_SHARDS[-1], workers=2, luigid=True, shape=longer))
     rows = [
         ("machine", f"{os.cpu_count()} cores, torch cpu capability {torch.backends.cpu.get_cpu_capability()}"),
         ("shape", f"{Shape()} (long: turn_tokens x {LONG_TURNS}); rollout {ROLLOUT}, group {GROUP}"),

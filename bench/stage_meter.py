@@ -8,6 +8,7 @@ import json
 import os
 import resource
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import luigi
@@ -70,14 +71,27 @@ def _finished(task) -> None:
         log.write(json.dumps(figures) + "\n")
 
 
-def install() -> None:
-    """Stage hooks on every pipeline task, and the stand-in sandbox (kept by forked workers)."""
+_hooked = False  # the stage hooks are on the pipeline's tasks (idle while LOG is None)
+
+
+@contextmanager
+def measuring():
+    """Stage hooks on every pipeline task, and the stand-in sandbox in place of the real one (forked workers keep
+    both) while the bench's steps run; the real sandbox is back afterwards."""
     import jobs.execute_round
     from pipeline.tasks import RunTask
 
-    RunTask.event_handler(luigi.Event.START)(_started)
-    RunTask.event_handler(luigi.Event.SUCCESS)(_finished)
+    global _hooked
+    if not _hooked:
+        RunTask.event_handler(luigi.Event.START)(_started)
+        RunTask.event_handler(luigi.Event.SUCCESS)(_finished)
+        _hooked = True
+    real = jobs.execute_round.sandbox_for
     jobs.execute_round.sandbox_for = lambda config: PrintingSandbox()
+    try:
+        yield
+    finally:
+        jobs.execute_round.sandbox_for = real
 
 
 def plan_training(settings: RunSettings) -> dict:

@@ -10,6 +10,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+import jobs.execute_round
+from retool.run.shared import sandbox_for
+
 pytestmark = pytest.mark.slow
 
 # sha256 (first 16 hex digits) of each file's rows as JSON, exec_seconds aside, from the code before that change.
@@ -41,5 +44,6 @@ def test_the_scale_bench_reports_every_stage_and_the_tables_are_unchanged(tmp_pa
         assert step["stages"]["SampleRound"]["output_bytes"] > 0
     assert all(f"exponent {name}" in rows for name in STAGE_ORDER)
     assert (tmp_path / "scale.png").stat().st_size > 0
+    assert jobs.execute_round.sandbox_for is sandbox_for  # the bench's stand-in is gone: later tests run the real one
     for name, pinned in PINNED.items():
         assert table_digests(tmp_path / f"{name}-320" / "step=0000") == pinned, name  # 320: the turns' median
