@@ -156,6 +156,8 @@ def list_column(rows: Sequence[Sequence], type: pa.ListType) -> pa.ListArray:
     """A list column from one sequence (numpy array or list) per row, converted at once rather than value by value
     (each row's values rounded to the column's type as from_pylist would: float64 to the nearest float32)."""
     lengths = numpy.fromiter((len(row) for row in rows), numpy.int64, len(rows))
+    if lengths.sum() >= 2**31:  # Arrow's list offsets are 32-bit
+        raise ValueError(f"a {type} column of {lengths.sum()} values: more than a Parquet list column holds")
     offsets = numpy.zeros(len(rows) + 1, numpy.int32)
     numpy.cumsum(lengths, out=offsets[1:])
     dtype = type.value_type.to_pandas_dtype()
