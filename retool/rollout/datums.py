@@ -38,10 +38,10 @@ def trajectory_sequence(trajectory: Trajectory) -> TokenSequence:
     tokens = numpy.concatenate([numpy.asarray(last.prompt_tokens, numpy.int64), last.completion_tokens])
     logprobs, is_action = numpy.zeros(len(tokens)), numpy.zeros(len(tokens), bool)
     turn_of = numpy.full(len(tokens), -1)
-    before = (numpy.zeros(0, numpy.int64), numpy.zeros(0, numpy.int64))  # P(i-1), C(i-1)
+    previous_prompt = previous_completion = numpy.zeros(0, numpy.int64)  # P(i-1) and C(i-1)
     for number, turn in enumerate(trajectory.turns, start=1):
         prompt, completion = numpy.asarray(turn.prompt_tokens), numpy.asarray(turn.completion_tokens)
-        start, (previous_prompt, previous_completion) = len(before[0]), before
+        start = len(previous_prompt)
         end = start + len(previous_completion)
         if not (
             len(prompt) >= end
@@ -54,7 +54,7 @@ def trajectory_sequence(trajectory: Trajectory) -> TokenSequence:
             )
         sampled = slice(len(prompt), len(prompt) + len(completion))
         logprobs[sampled], is_action[sampled], turn_of[sampled] = turn.logprobs, True, number - 1
-        before = (prompt, completion)
+        previous_prompt, previous_completion = prompt, completion
     return TokenSequence(tokens, logprobs, is_action, turn_of)
 
 
@@ -108,6 +108,9 @@ def build_datums(trajectories: list[Trajectory], trainer_max_tokens: int) -> lis
 
 # Datums as datums.parquet's columns (files/tables.py DATUMS), and back.
 
+LIST_COLUMNS = ("input_tokens", "target_tokens", "old_logprobs", "advantages", "loss_mask")  # in Datum's order
+FILE_TYPES = {name: DATUMS.field(name).type.value_type.to_pandas_dtype() for name in LIST_COLUMNS}  # numpy's
+
 
 def datums_to_table(datums: Sequence[Datum], step: int, policy_step: int) -> pa.Table:
     """Each list column built from all datums' arrays at once (no Python value per token)."""
@@ -125,8 +128,7 @@ def datums_to_table(datums: Sequence[Datum], step: int, policy_step: int) -> pa.
 
 def in_file_types(datum: Datum) -> Datum:
     """The datum with its arrays in datums.parquet's types, as the file will hold it (half of numpy's defaults)."""
-    types = {name: DATUMS.field(name).type.value_type.to_pandas_dtype() for name in LIST_COLUMNS}
-    return replace(datum, **{name: numpy.asarray(getattr(datum, name), types[name]) for name in LIST_COLUMNS})
+    return replace(datum, **{name: numpy.asarray(getattr(datum, name), FILE_TYPES[name]) for name in LIST_COLUMNS})
 
 
 def datums_from_table(table: pa.Table) -> list[Datum]:
@@ -139,6 +141,3 @@ def datums_from_table(table: pa.Table) -> list[Datum]:
             zip(table.column("question_index").to_pylist(), table.column("group_index").to_pylist(), strict=True)
         )
     ]
-
-
-LIST_COLUMNS = ("input_tokens", "target_tokens", "old_logprobs", "advantages", "loss_mask")  # in Datum's order

@@ -50,9 +50,10 @@ class ToolCall:
 
 @dataclass
 class AssistantTurn:
-    prompt_tokens: list[int] | None  # P(i): the full model input of this turn (None: replayed without tokens)
-    completion_tokens: list[int] | None  # C(i): the sampler's tokens (None: replayed without tokens)
-    logprobs: list[float] | None  # L(i): the sampler's logprob of each token of C(i) (None: likewise)
+    # Lists as sampled; numpy views of the round's file where replayed with tokens; None where replayed without
+    prompt_tokens: Sequence[int] | None  # P(i): the full model input of this turn
+    completion_tokens: Sequence[int] | None  # C(i): the sampler's tokens
+    logprobs: Sequence[float] | None  # L(i): the sampler's logprob of each token of C(i)
     text: str  # decoded from C(i), stripped; what the protocol parses
     finish_reason: str  # stop | length
     seed: int  # the sampling seed of this turn
