@@ -112,7 +112,7 @@ def bench_pipeline_vs_memory(workdir: Path) -> list[tuple[str, str]]:
         run={"runs_dir": str(workdir)}, sampler={"engine": "scripted:bench.benchmarks:uniform_policy"}
     )
     protocol, sandbox = protocol_for(settings.model), sandbox_for(settings.sandbox)
-    examples = step_examples(settings, 0, None)
+    examples = step_examples(settings, 0)
     in_memory, pipeline = [], []
     for attempt in range(3):
         started = time.perf_counter()
@@ -247,9 +247,9 @@ def bench_trainer(_: Path) -> list[tuple[str, str]]:
 
     from retool.config.trainer import TrainerConfig
     from retool.training.packing import pack_micro_batches
-    from retool.training.step import load_policy, train_step
+    from retool.training.step import load_policy, update_policy
 
-    config = TrainerConfig(lora_rank=32, micro_batch_items=4, micro_batch_tokens=2048)
+    config = TrainerConfig(lora_rank=32, micro_batch_items=4, micro_batch_tokens=2048).on("cpu")
     model, optimizer = load_policy(build_default_model(), None, config)
     datums = _random_datums(6)
 
@@ -267,7 +267,7 @@ def bench_trainer(_: Path) -> list[tuple[str, str]]:
 
     ppo_runs, bare_runs = [], []
     for _ in range(3):  # alternating; the first of each warms the kernels up
-        metrics = train_step(model, optimizer, datums, config, len(datums))
+        metrics = update_policy(model, optimizer, datums, config, len(datums))
         ppo_runs.append(metrics.tokens_per_second)
         bare_runs.append(bare_tokens_per_second())
     ppo, bare = max(ppo_runs), max(bare_runs)
@@ -303,7 +303,7 @@ def bench_sampler(workdir: Path) -> list[tuple[str, str]]:
         SampleRequest(
             q, tuple(range(8)), tuple(protocol.build_prompt(protocol.initial_messages(e.question))), 32, seed=q
         )
-        for q, e in enumerate(step_examples(settings, 0, None))
+        for q, e in enumerate(step_examples(settings, 0))
     ]
     rows = []
     for kind in ("hf", "vllm") if vllm_available() else ("hf",):

@@ -35,7 +35,7 @@ from retool.rollout.datums import Datum
 from retool.sampling.adapters import ADAPTER_WEIGHTS, adapter_for_engine
 from retool.training.checkpoints import save_checkpoint
 from retool.training.memory_plan import GIB, plan_step, shape_of
-from retool.training.step import load_policy, prepare_policy, train_step
+from retool.training.step import load_policy, prepare_policy, update_policy
 
 # The text model of Qwen3.5-4B as published (model_type qwen3_5_text).
 QWEN35_4B = dict(
@@ -117,9 +117,9 @@ def check_tiny_qwen35(workdir: Path, device: str) -> dict:
     base = build_tiny_qwen35(workdir / "tiny-qwen35")
     config = TrainerConfig(
         lora_rank=8, lora_alpha=16, dtype="bfloat16", gradient_checkpointing=True, autocast_bfloat16=_autocast(device)
-    )
+    ).on(device)
     model, optimizer = load_policy(base, None, config, device)
-    metrics = train_step(model, optimizer, random_datums(4, 256, TINY_QWEN35["vocab_size"]), config, 4, device)
+    metrics = update_policy(model, optimizer, random_datums(4, 256, TINY_QWEN35["vocab_size"]), config, 4, device)
     save_checkpoint(workdir / "checkpoint", model, optimizer, metrics, config, base)
     adapter = workdir / "checkpoint" / "adapter"
     trained = set(load_file(str(adapter / ADAPTER_WEIGHTS)))
@@ -157,7 +157,7 @@ def resident_steps(workdir: Path, device: str) -> dict:
         config = TrainerConfig(
             lora_rank=rank, lora_alpha=16, learning_rate=1e-4, autocast_bfloat16=_autocast(device),
             gradient_checkpointing=device == "cuda", micro_batch_tokens=1024,
-        )  # fmt: skip
+        ).on(device)  # fmt: skip
         final = {}
         for mode, hold_on in (("held", "cpu"), ("loaded", "")):
             folder = workdir / f"{name}-{mode}"
@@ -214,9 +214,9 @@ def checkpoint_keys(workdir: Path, device: str) -> dict:
     base = build_tiny_qwen35(workdir / "published")
     config = TrainerConfig(
         lora_rank=0, learning_rate=1e-4, gradient_checkpointing=False, autocast_bfloat16=_autocast(device)
-    )
+    ).on(device)
     model, optimizer = load_policy(base, None, config, device)
-    metrics = train_step(model, optimizer, random_datums(2, 64, TINY_QWEN35["vocab_size"]), config, 2, device)
+    metrics = update_policy(model, optimizer, random_datums(2, 64, TINY_QWEN35["vocab_size"]), config, 2, device)
     save_checkpoint(workdir / "full-step", model, optimizer, metrics, config, base)
     saved = set(load_file(str(workdir / "full-step" / "model" / "model.safetensors")))
     published = set(load_file(str(base / "model.safetensors")))
@@ -245,11 +245,11 @@ def bfloat16_updates(device: str, dry_run: bool) -> dict:
                 dtype=dtype,
                 autocast_bfloat16="true",
                 gradient_checkpointing=False,
-            )
+            ).on(device)
             model = model.to(getattr(torch, dtype))
             model, optimizer = prepare_policy(model, None, config, device)
             before = [p.detach().clone() for p in model.parameters()]
-            train_step(model, optimizer, datums, config, len(datums), device)
+            update_policy(model, optimizer, datums, config, len(datums), device)
             shares[f"lr {learning_rate:g}, {name}"] = round(share_updated(model, optimizer, before), 4)
             del model, optimizer, before
     return shares
@@ -280,12 +280,12 @@ def policy_step(shape: dict, config: TrainerConfig, device: str) -> dict:
         torch.cuda.reset_peak_memory_stats()  # after the build, whose float32 copy no step holds
     tokens_per_datum = min(8192, config.micro_batch_tokens)
     datums = random_datums(max(1, config.micro_batch_tokens // tokens_per_datum), tokens_per_datum, shape["vocab_size"])
-    plan = plan_step(shape_of(text_config), config, device)
+    plan = plan_step(shape_of(text_config), config)
     timings = []
     for _ in range(2):  # the first warms the kernels up and allocates Adam's moments
         _synchronize(device)
         started = time.perf_counter()
-        train_step(model, optimizer, datums, replace(config, learning_rate=1e-9), len(datums), device)
+        update_policy(model, optimizer, datums, replace(config, learning_rate=1e-9), len(datums), device)
         _synchronize(device)
         timings.append(time.perf_counter() - started)
     tokens = sum(d.num_tokens for d in datums)
@@ -313,11 +313,13 @@ def save_load(workdir: Path, shape: dict, device: str) -> dict:
     """Seconds to write a full fine-tune step's checkpoint (weights, Adam state, RNG) and to load it back."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    config = TrainerConfig(lora_rank=0, gradient_checkpointing=device == "cuda", autocast_bfloat16=_autocast(device))
+    config = TrainerConfig(
+        lora_rank=0, gradient_checkpointing=device == "cuda", autocast_bfloat16=_autocast(device)
+    ).on(device)
     with torch.device(device):
         model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**shape))
     model, optimizer = prepare_policy(model, None, config, device)
-    metrics = train_step(model, optimizer, random_datums(1, 256, shape["vocab_size"]), config, 1, device)
+    metrics = update_policy(model, optimizer, random_datums(1, 256, shape["vocab_size"]), config, 1, device)
     base = workdir / "base"
     model.config.save_pretrained(base)
     started = time.perf_counter()
@@ -363,7 +365,9 @@ def main() -> None:
     args = parser.parse_args()
     device = "cpu" if args.dry_run else "cuda"
     shape = TINY_QWEN35 if args.dry_run else QWEN35_4B
-    lora = TrainerConfig(autocast_bfloat16=_autocast(device), gradient_checkpointing=device == "cuda")  # LoRA 32
+    lora = TrainerConfig(autocast_bfloat16=_autocast(device), gradient_checkpointing=device == "cuda").on(
+        device
+    )  # LoRA 32
     full = replace(lora, lora_rank=0)  # float32 master weights and Adam state, bfloat16 products
     if args.dry_run:
         lora, full = (replace(c, micro_batch_tokens=256) for c in (lora, full))

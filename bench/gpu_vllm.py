@@ -37,7 +37,7 @@ from retool.rollout.datums import Datum
 from retool.sampling.contract import SampledSequence, SampleRequest, SamplingSettings
 from retool.training.checkpoints import save_checkpoint
 from retool.training.packing import MicroBatch
-from retool.training.step import load_policy, policy_pass, train_step
+from retool.training.step import load_policy, policy_pass, update_policy
 from retool.weights.checkpoint import Checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -147,7 +147,7 @@ def full_reload(engine, model: Path, workdir: Path, config: TrainerConfig, max_t
     engine.sleep()
     trainer, optimizer = load_policy(model, None, config, engine.device)
     vocab = trainer.config.vocab_size
-    metrics = train_step(trainer, optimizer, random_datums(4, 256, vocab), config, 4, engine.device)
+    metrics = update_policy(trainer, optimizer, random_datums(4, 256, vocab), config, 4, engine.device)
     save_checkpoint(workdir / "full", trainer, optimizer, metrics, config, model)
     del trainer, optimizer
     started = time.perf_counter()
@@ -173,7 +173,7 @@ def full_reload(engine, model: Path, workdir: Path, config: TrainerConfig, max_t
 
 def lora_checkpoint(model: Path, folder: Path, config: TrainerConfig, device: str) -> Path:
     trainer, optimizer = load_policy(model, None, config, device)
-    metrics = train_step(trainer, optimizer, random_datums(4, 128, trainer.config.vocab_size), config, 4, device)
+    metrics = update_policy(trainer, optimizer, random_datums(4, 128, trainer.config.vocab_size), config, 4, device)
     save_checkpoint(folder, trainer, optimizer, metrics, config, model)
     return folder
 
@@ -260,7 +260,8 @@ def main() -> None:
         model = args.model or build_default_model()
         model = build_tiny_model(workdir / "tiny", model) if args.dry_run and not args.model else model
         full = TrainerConfig(lora_rank=0, learning_rate=1e-3, autocast_bfloat16="auto")  # a step that moves logprobs
-        lora = replace(full, lora_rank=8, lora_alpha=16, learning_rate=1e-2)
+        lora = replace(full, lora_rank=8, lora_alpha=16, learning_rate=1e-2).on(device)
+        full = full.on(device)
         log = args.out.with_suffix(".vllm.log")  # vLLM's own lines
         engine = VLLMSampler(model, device, max_model_len=2048, sleep_mode=True, log_path=log)
         phases: dict[str, Callable[[], dict]] = {

@@ -63,7 +63,7 @@ def branch_of(question: int, branch: int, shape: Shape) -> Branch:
 def script_material(settings: RunSettings) -> tuple[list[str], list[int]]:
     """The step's reference answers, and the reasoning tokens: the training questions' text encoded (as varied as
     text; a repeated sentence would compress). Made before Luigi forks its workers, which inherit them."""
-    answers = [example.answer for example in step_examples(settings, 0, None)]
+    answers = [example.answer for example in step_examples(settings, 0)]
     return answers, protocol_for(settings.model).encode("\n".join(Path(settings.data.train).read_text().splitlines()))
 
 

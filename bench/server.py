@@ -62,7 +62,7 @@ def bench_server(workdir: Path) -> list[tuple[str, str]]:
     from retool.sampling.vllm_engine import VLLMSampler
 
     settings = cold_started(workdir).changed(data={"questions_per_step": 8})
-    examples = step_examples(settings, 0, None)
+    examples = step_examples(settings, 0)
     protocol, sandbox = protocol_for(settings.model), sandbox_for(settings.sandbox)
     sandbox.prewarm()
     engine = VLLMSampler(settings.model.name, "cpu", max_model_len=settings.rollout.max_trajectory_tokens)

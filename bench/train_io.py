@@ -12,7 +12,7 @@ import torch
 
 from bench.benchmarks import _random_datums
 from bench.gpu import QWEN35_4B
-from retool.config.trainer import TrainerConfig, resolved_autocast, saves_in_full
+from retool.config.trainer import TrainerConfig, saves_in_full
 from retool.files.tables import DATUMS, table_from_rows, write_table_atomically
 from retool.training import resident
 from retool.training.memory_plan import shape_of
@@ -78,8 +78,7 @@ def bytes_per_step_4b(lora_rank: int, save_every: int) -> float:
 
 def bench_train_io(workdir: Path) -> list[tuple[str, str]]:
     rows = [("CPU", f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads")]
-    base = TrainerConfig(micro_batch_items=4, micro_batch_tokens=2048, gradient_checkpointing=False)
-    base = replace(base, autocast_bfloat16=resolved_autocast("auto", "cpu"))
+    base = TrainerConfig(micro_batch_items=4, micro_batch_tokens=2048, gradient_checkpointing=False).on("cpu")
     for name, config in (("full fine-tune", replace(base, lora_rank=0, learning_rate=1e-5)), ("LoRA 32", base)):
         for label, held in (("loaded each step", False), (f"held, save_every {SAVE_EVERY}", True)):
             f = run_mode(workdir / "train-io" / f"{config.lora_rank}-{held}", config, held)

@@ -20,12 +20,12 @@ from retool.files.atomic import write_text_atomically
 from retool.files.tables import TRAJECTORIES, read_table
 
 
-def training_sources(run: RunSettings) -> tuple[frozenset[str], frozenset[str]]:
+def training_sources(settings: RunSettings) -> tuple[frozenset[str], frozenset[str]]:
     """The data sources (a synthetic problem's family) of the run's cold-start conversations and of its RL data."""
-    rl = frozenset(example.data_source for example in read_examples(run.data.train))
-    if not run.cold_start.data:
+    rl = frozenset(example.data_source for example in read_examples(settings.data.train))
+    if not settings.cold_start.data:
         return frozenset(), rl
-    return frozenset(conversation.data_source for conversation in read_conversations(run.cold_start.data)), rl
+    return frozenset(conversation.data_source for conversation in read_conversations(settings.cold_start.data)), rl
 
 
 def before_after(
@@ -33,7 +33,7 @@ def before_after(
     n: int,
     out: Path,
     report: Path,
-    run: RunSettings,
+    settings: RunSettings,
     step: int,
     page: PageFiles,
 ) -> str:
@@ -43,7 +43,7 @@ def before_after(
     trajectories = {label: read_table(path, TRAJECTORIES) for label, path in evaluations}
     (final, _), earlier = evaluations[-1], evaluations[:-1]
     groups = []
-    for group, final_part in question_groups(trajectories[final], *training_sources(run)).items():
+    for group, final_part in question_groups(trajectories[final], *training_sources(settings)).items():
         ids = pa.array(sorted(set(final_part.column("example_id").to_pylist())))
         parts = {
             label: table.filter(pc.is_in(table.column("example_id"), value_set=ids))
@@ -54,5 +54,5 @@ def before_after(
         groups.append((group, summaries, differences))
     table = before_after_markdown(groups)
     write_text_atomically(out, table)
-    write_report(report, run, step, page)
+    write_report(report, settings, step, page)
     return "\n" + table

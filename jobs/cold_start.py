@@ -19,22 +19,22 @@ def cold_start(
     checkpoint: Path,
     losses: Path,
     progress: Path,
-    run: RunSettings,
+    settings: RunSettings,
     on_step: Callable[[dict], None] | None = None,
 ) -> str:
     """Resumes from the resume point `progress` where it was stopped; `on_step` gets each step's loss row."""
-    release_sampler_memory(run)  # an engine left awake (the base model's evaluation) sleeps while SFT trains
+    release_sampler_memory(settings)  # an engine left awake (the base model's evaluation) sleeps while SFT trains
     rows = train_cold_start(
-        resolve_model(run.model.name),
+        resolve_model(settings.model.name),
         sft_datums(read_table(examples, SFT_EXAMPLES)),
-        run.sft_trainer(),
-        run.cold_start,
+        settings.sft_trainer(),
+        settings.cold_start,
         checkpoint,
         progress,
-        run.run.device,
+        settings.run.device,
         on_step,
     )
-    reclaim_sampler_memory(run)
+    reclaim_sampler_memory(settings)
     write_table_atomically(losses_table(rows), losses)
-    Tracker.of(run).log_steps([(row["step"], {"loss": row["loss"]}) for row in rows], prefix="cold_start/")
+    Tracker.of(settings).log_steps([(row["step"], {"loss": row["loss"]}) for row in rows], prefix="cold_start/")
     return describe_cold_start(rows)

@@ -14,7 +14,7 @@ from retool.evaluation.tracking import Tracker, scalars
 from retool.files.tables import TRAJECTORIES, read_table, write_table_atomically
 
 
-def evaluate(trajectories: Path, out: Path, run: RunSettings, evaluation: EvalSpec, step: int) -> str:
+def evaluate(trajectories: Path, out: Path, settings: RunSettings, evaluation: EvalSpec, step: int) -> str:
     """`step`: the checkpoint evaluated (-1: the base model, or with `evaluation.sft` the cold start's)."""
     stage = ("sft" if evaluation.sft else "base") if step < 0 else "rl"
     summary = {
@@ -30,5 +30,5 @@ def evaluate(trajectories: Path, out: Path, run: RunSettings, evaluation: EvalSp
     }
     write_table_atomically(pa.Table.from_pylist([summary]), out)
     scores = scalars({name: value for name, value in summary.items() if name not in ("temperature", "top_p")})
-    Tracker.of(run).log(step, scores, prefix=f"eval/{evaluation.name}/{stage}/")
+    Tracker.of(settings).log(step, scores, prefix=f"eval/{evaluation.name}/{stage}/")
     return f"{evaluation.mode} on {evaluation.dataset}: {describe_eval(summary)}"

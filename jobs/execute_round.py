@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from retool.config.settings import RunSettings
-from retool.evaluation.spec import EvalSpec
+from retool.config.settings import StageSettings
 from retool.files.layout import RoundPaths
 from retool.files.tables import SAMPLES, read_table, write_table_atomically
 from retool.rollout.stage_tables import describe_observations, observations_table
@@ -19,15 +18,15 @@ def execute_round(
     rounds: Sequence[RoundPaths],
     samples: Path,
     out: Path,
-    run: RunSettings,
+    stage: StageSettings,
     step: int,
     shard: int,
     round_index: int,
-    evaluation: EvalSpec | None = None,
     status: Callable[[str], None] = lambda message: None,  # the task's status line in the scheduler
 ) -> str:
     """`rounds`: the shard's rounds before this one; `samples`: this round's."""
-    settings, protocol, trajectories = replayed_shard(prompts, rounds, run, evaluation, shard)
+    settings = stage.settings
+    protocol, trajectories = replayed_shard(prompts, rounds, settings, shard)
     sampled = read_table(samples, SAMPLES)
     status(f"running the tool calls of {sampled.num_rows} turns")
     sandbox = sandbox_for(settings.sandbox)

@@ -12,10 +12,10 @@ from retool.files.layout import VIEW
 from retool.run.shared import token_decoder
 
 
-def report(out: Path, run: RunSettings, step: int, page: PageFiles) -> str:
+def report(out: Path, settings: RunSettings, step: int, page: PageFiles) -> str:
     """`out`: the report's folder. It reads every step's metrics up to `step` and every evaluation found, and
     holds the page of step `step`'s trajectories (drawn from `page`), which it links."""
     out.mkdir(parents=True, exist_ok=True)
-    write_page(page, f"{run.run.name}: step {step}", token_decoder(run.model), out / VIEW)
-    make_report(run.run_dir, out, step, view=VIEW)
+    write_page(page, f"{settings.run.name}: step {step}", token_decoder(settings.model), out / VIEW)
+    make_report(settings.run_dir, out, step, view=VIEW)
     return f"plots and summary of {step + 1} steps, and step {step}'s trajectories ({VIEW})"

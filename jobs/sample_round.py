@@ -5,17 +5,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from retool.config.settings import RunSettings
-from retool.evaluation.spec import EvalSpec
+from retool.config.settings import RunSettings, StageSettings
 from retool.files.layout import RoundPaths
 from retool.files.tables import write_table_atomically
 from retool.rollout.stage_tables import describe_samples, samples_table
-from retool.run.shared import policy_step, replayed_shard
+from retool.run.shared import replayed_shard
 from retool.sampling import engines
 from retool.weights.models import policy_of
 
 
-def held_weights(checkpoint: Path | None):
+def resident_weights(checkpoint: Path | None):
     """The policy's full weights as this process's resident trainer holds them, if it does (see
     retool.training.resident.held_weights): the sampler then reads no file."""
     if checkpoint is None:
@@ -31,22 +30,23 @@ def sample_round(
     checkpoint: Path | None,
     rl_base: Path | None,
     out: Path,
-    run: RunSettings,
+    settings: RunSettings,
+    stage: StageSettings,
     step: int,
     shard: int,
     round_index: int,
-    evaluation: EvalSpec | None = None,
     status: Callable[[str], None] = lambda message: None,  # the task's status line in the scheduler
 ) -> str:
     """`rounds`: the shard's rounds before this one; `checkpoint`: the policy to sample (None: the model setting);
-    `rl_base`: the cold start's checkpoint, which an RL adapter applies to (None: the model setting)."""
-    settings, protocol, trajectories = replayed_shard(prompts, rounds, run, evaluation, shard)
+    `rl_base`: the cold start's checkpoint, which an RL adapter applies to (None: the model setting); `settings`:
+    the run's, whose engine this process keeps; `stage`: what this rollout runs under."""
+    protocol, trajectories = replayed_shard(prompts, rounds, stage.settings, shard)
     status(f"sampling for {sum(not t.done for t in trajectories)} live trajectories")
 
     def sampler():  # loaded, and switched to the policy, only when there is something to sample
-        return engines.sampler_for(run, policy_of(checkpoint, rl_base, run.model.name), shard, held_weights(checkpoint))
+        policy = policy_of(checkpoint, rl_base, settings.model.name)
+        return engines.sampler_for(settings, policy, shard, resident_weights(checkpoint))
 
-    sampled_by = policy_step(run, step, evaluation)
-    table = samples_table(trajectories, sampler, protocol, settings.rollout, step, round_index, sampled_by)
+    table = samples_table(trajectories, sampler, protocol, stage.settings.rollout, step, round_index, stage.sampled_by)
     write_table_atomically(table, out)
     return describe_samples(table)

@@ -7,15 +7,15 @@ from pathlib import Path
 from retool.config.settings import RunSettings, SettingsError
 from retool.data.conversations import read_conversations
 from retool.files.tables import write_table_atomically
+from retool.rollout.conversations import sft_examples_table
 from retool.rollout.stage_tables import describe_datums
 from retool.run.shared import protocol_for
-from retool.training.cold_start import sft_examples_table
 
 
-def sft_examples(out: Path, run: RunSettings) -> str:
+def sft_examples(out: Path, settings: RunSettings) -> str:
     """Reads the conversations of `[cold_start] data`; those over the budgets or turn limits are left out."""
-    path = run.cold_start.data
-    table, skipped = sft_examples_table(read_conversations(path), protocol_for(run.model), run.rollout)
+    path = settings.cold_start.data
+    table, skipped = sft_examples_table(read_conversations(path), protocol_for(settings.model), settings.rollout)
     if not table.num_rows:
         raise SettingsError(f"setting [cold_start] data = {path!r}: no conversation fits the run's budgets")
     write_table_atomically(table, out)

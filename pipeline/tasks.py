@@ -3,6 +3,7 @@ what it makes (`output()`), and its `run()` passes those paths to its job in `jo
 
 from __future__ import annotations
 
+from functools import cached_property
 from pathlib import Path
 
 import luigi
@@ -18,7 +19,7 @@ from jobs.train_step import train_step
 from pipeline.config import EvalSpecParameter, current_settings
 from pipeline.outcome import note_end, note_failure, note_start, watch_if_named_on_the_command_line
 from retool.config.rollout import RolloutConfig
-from retool.config.settings import RunSettings
+from retool.config.settings import RunSettings, StageSettings, training_stage
 from retool.config.trainer import replayed_steps
 from retool.evaluation.metrics import record_stage_seconds
 from retool.evaluation.spec import EvalSpec, check_evaluated_checkpoint, evaluation_settings
@@ -26,7 +27,7 @@ from retool.evaluation.viewer import PageFiles
 from retool.files.layout import RoundPaths, RunFolder, StepFolder
 from retool.files.tables import parquet_seconds
 from retool.run.setup import open_run
-from retool.run.shared import history_steps, policy_step
+from retool.run.shared import history_steps
 from retool.weights.checkpoint import Checkpoint
 
 
@@ -43,10 +44,17 @@ class RunTask(luigi.Task):
         self.settings: RunSettings = current_settings()  # as the config files and the command line give them
         watch_if_named_on_the_command_line(self)
 
+    @cached_property
+    def stage(self) -> StageSettings:
+        """What this task's stage runs under, resolved here once: a training step's own settings, or its
+        evaluation's (its questions, n samples each, its shards and mode) sampled by its own step's checkpoint."""
+        if self.evaluation is None:
+            return training_stage(self.settings, self.step)
+        return StageSettings(evaluation_settings(self.settings, self.evaluation), self.step)
+
     @property
     def rollout(self) -> RolloutConfig:
-        """What this task's rollout runs under: the run's, or its evaluation's (its questions, n samples each)."""
-        return evaluation_settings(self.settings, self.evaluation).rollout
+        return self.stage.settings.rollout
 
     @property
     def run_folder(self) -> RunFolder:
@@ -113,7 +121,7 @@ class RunTask(luigi.Task):
         setting: a training step samples from the checkpoint before it, or [rollout] max_staleness steps older
         (before step 0's: the cold start's, if the run has one), an evaluation from its own step's (-1: the model
         setting, or the cold start's with `sft`)."""
-        source = policy_step(self.settings, self.step, self.evaluation)
+        source = self.stage.sampled_by
         if source >= 0:
             return {"policy": TrainStep(step=source), **self.rl_base()}
         wants_sft = self.evaluation.sft if self.evaluation is not None else bool(self.settings.cold_start.data)
@@ -190,7 +198,8 @@ class Prompts(RolloutTask):
 
     def run(self):
         history = [path(target) for target in self.input()["history"]]
-        self.summary = prompts(path(self.output()), self.settings, self.step, self.evaluation, history)
+        questions = self.evaluation.examples() if self.evaluation is not None else None  # in order; None: a draw
+        self.summary = prompts(path(self.output()), self.stage.settings, self.step, questions, history)
 
 
 class SampleRound(RolloutTask):
@@ -204,11 +213,11 @@ class SampleRound(RolloutTask):
         return self.target(self.folder.samples(self.shard, self.round))
 
     def run(self):
-        inputs, run = self.input(), self.settings
+        inputs = self.input()
         self.summary = sample_round(
             path(inputs["prompts"]), round_paths(inputs["rounds"]), checkpoint_of(inputs),
             checkpoint_of(inputs, "rl_base"), path(self.output()),
-            run, self.step, self.shard, self.round, self.evaluation, self.set_status_message,
+            self.settings, self.stage, self.step, self.shard, self.round, self.set_status_message,
         )  # fmt: skip
 
 
@@ -224,10 +233,10 @@ class ExecuteRound(RolloutTask):
         return self.target(self.folder.observations(self.shard, self.round))
 
     def run(self):
-        inputs, run = self.input(), self.settings
+        inputs = self.input()
         self.summary = execute_round(
             path(inputs["prompts"]), round_paths(inputs["rounds"]), path(inputs["samples"]), path(self.output()),
-            run, self.step, self.shard, self.round, self.evaluation, self.set_status_message,
+            self.stage, self.step, self.shard, self.round, self.set_status_message,
         )  # fmt: skip
 
 
@@ -241,9 +250,7 @@ class ScoreTrajectories(RolloutTask):
     def run(self):
         inputs = self.input()
         shards = [round_paths(rounds) for rounds in inputs["shards"]]
-        self.summary = score_trajectories(
-            path(inputs["prompts"]), shards, path(self.output()), self.settings, self.step, self.evaluation
-        )
+        self.summary = score_trajectories(path(inputs["prompts"]), shards, path(self.output()), self.stage, self.step)
 
 
 class BuildDatums(RunTask):
@@ -265,7 +272,7 @@ class BuildDatums(RunTask):
             shards,
             path(inputs["trajectories"]),
             path(self.output()),
-            self.settings,
+            self.stage,
             self.step,
         )
 
@@ -292,7 +299,7 @@ class TrainStep(RunTask):
     def behaviour(self) -> dict[str, luigi.Task]:
         """{"behaviour": the older step that sampled this one} when the step trains [rollout] max_staleness steps
         behind: the sampler-gap check compares with its checkpoint (sampled by the RL base: `rl_base`, or none)."""
-        source = policy_step(self.settings, self.step)
+        source = self.stage.sampled_by
         return {"behaviour": TrainStep(step=source)} if 0 <= source < self.step - 1 else {}
 
     def output(self):
@@ -307,7 +314,7 @@ class TrainStep(RunTask):
         self.summary = train_step(
             path(inputs["datums"]), path(inputs["trajectories"]), [path(t) for t in inputs["observations"]],
             checkpoint_of(inputs, "previous"), checkpoint_of(inputs, "rl_base"), checkpoint_of(inputs, "behaviour"),
-            path(outputs["checkpoint"]).parent, path(outputs["metrics"]), self.folder.timings, self.settings, self.step,
+            path(outputs["checkpoint"]).parent, path(outputs["metrics"]), self.folder.timings, self.stage, self.step,
         )  # fmt: skip
 
 

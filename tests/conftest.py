@@ -11,6 +11,7 @@ import pytest
 
 from retool.protocol.chat import BUNDLED_TEMPLATE, ChatProtocol, load_tokenizer
 from retool.weights.models import DEFAULT_MODEL_DIR, build_default_model, build_tiny_model
+from tests.helpers import REPO
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -64,7 +65,6 @@ def hermes(tokenizer) -> ChatProtocol:
     return ChatProtocol(tokenizer, tool_format="hermes", chat_template=BUNDLED_TEMPLATE)
 
 
-REPO = Path(__file__).resolve().parent.parent
 # The settings of pipeline tests, by section: the tiny model, small budgets, the transformers sampler.
 BASE = {
     "run": {"device": "cpu"},

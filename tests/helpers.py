@@ -6,11 +6,14 @@ import http.server
 import json
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 from retool.config.rollout import seed_field
 from retool.protocol.chat import ChatProtocol
 from retool.protocol.tool_calls import tool_call_text as protocol_tool_call_text
 from retool.sandbox.call import ExecutionResult, observation_text
+
+REPO = Path(__file__).resolve().parent.parent  # the repository's root
 
 
 def tool_call_text(code: str, tool_format: str, preamble: str = "Let me compute this.") -> str:

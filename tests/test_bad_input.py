@@ -83,13 +83,13 @@ def test_a_training_nucleus_is_refused_and_an_evaluations_temperature_never_reac
 
     with pytest.raises(SettingsError, match=r"\[rollout\] top_p = 0.9: training samples with top_p = 1"):
         check_training(RunSettings().changed(rollout={"top_p": 0.9}))
-    run = RunSettings().changed(rollout={"temperature": 0.8})
-    assert run.trainer_on_device().temperature == 0.8  # the trainer's logprobs at the sampling temperature
-    assert run.sft_trainer().temperature == 1.0  # the cold start's likelihood is the model's own
+    settings = RunSettings().changed(rollout={"temperature": 0.8})
+    assert settings.trainer_on_device().temperature == 0.8  # the trainer's logprobs at the sampling temperature
+    assert settings.sft_trainer().temperature == 1.0  # the cold start's likelihood is the model's own
     evaluation = evaluation_settings(
-        run, EvalSpec("data/synthetic_eval.jsonl", 1, "retool", temperature=0.3, top_p=0.5)
+        settings, EvalSpec("data/synthetic_eval.jsonl", 1, "retool", temperature=0.3, top_p=0.5)
     )
-    assert evaluation.rollout.temperature == 0.3 and run.trainer_on_device().temperature == 0.8
+    assert evaluation.rollout.temperature == 0.3 and settings.trainer_on_device().temperature == 0.8
 
 
 def test_an_evaluation_set_larger_than_the_seed_layout_names_the_file(tmp_path):

@@ -15,7 +15,6 @@ import pytest
 from bench.cluster import command, finished, free_port, luigid, write_config
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parent.parent
 STAGE_LINE = re.compile(r"^(\w+\([^)]*\)): .* -> ", re.MULTILINE)  # one per stage a command ran, then the last
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
-from pathlib import Path
 
 import numpy
 import pytest
@@ -18,20 +17,14 @@ from retool.config.sandbox import SandboxConfig
 from retool.config.trainer import TrainerConfig
 from retool.data.conversations import read_conversations
 from retool.data.examples import DataError
+from retool.rollout.conversations import assistant_text, replay_conversation, sft_examples_table
 from retool.rollout.datums import trajectory_sequence
 from retool.rollout.in_memory import rollout_in_memory
 from retool.sampling.scripted import ScriptedSampler
 from retool.sandbox.call import Sandbox
-from retool.training.cold_start import (
-    assistant_text,
-    batch_indices,
-    replay_conversation,
-    sft_datums,
-    sft_examples_table,
-    train_cold_start,
-)
+from retool.training.cold_start import batch_indices, sft_datums, train_cold_start
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 SHIPPED = REPO / "data/synthetic_sft.jsonl"
 CONFIG = RolloutConfig(
     group_size=1,
@@ -194,7 +187,7 @@ TRAINER = TrainerConfig(
     loss_aggregation="token_mean",
     micro_batch_items=2,
     autocast_bfloat16="false",
-)
+).on("cpu")
 
 
 def test_sft_steps_lower_the_loss_and_publish_full_weights(tiny_model_dir, tiny_datums, tmp_path):

@@ -11,16 +11,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import polars as pl
 import pytest
 
 from retool.config.precision import this_processor
 from retool.evaluation.analysis import metrics_by_step
+from tests.helpers import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
-REPO = Path(__file__).resolve().parent.parent
 
 
 def test_the_default_run_cold_starts_updates_every_step_and_compares(tmp_path, default_model_dir):

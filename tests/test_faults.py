@@ -17,9 +17,9 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.conftest import BASE
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parent.parent
 COMMAND = ["--module", "pipeline", "TrainStep", "--step", "0"]
 
 

@@ -71,12 +71,12 @@ def test_stop_tokens_and_strings_end_a_row(sampler):
 def test_sampling_from_a_lora_checkpoint_matches_the_trained_model(tiny_model_dir, tmp_path):
     from retool.config.trainer import TrainerConfig
     from retool.training.checkpoints import save_checkpoint
-    from retool.training.step import load_policy, train_step
+    from retool.training.step import load_policy, update_policy
     from tests.test_trainer import on_policy_datums
 
-    config = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2, autocast_bfloat16="false")
+    config = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2, autocast_bfloat16="false").on("cpu")
     model, optimizer = load_policy(tiny_model_dir, None, config)
-    metrics = train_step(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
+    metrics = update_policy(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
     save_checkpoint(tmp_path / "checkpoint", model, optimizer, metrics, config, tiny_model_dir)
     sampler = HFSampler(tiny_model_dir)
     request = requests_for(sampler)[0]

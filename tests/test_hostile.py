@@ -18,9 +18,9 @@ import pytest
 from retool.protocol.tool_calls import neutralise
 from retool.sandbox.call import ExecutionResult, Sandbox
 from retool.sandbox.isolation import probe_containment
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.slow
-REPO = Path(__file__).resolve().parent.parent
 GUARD_ROOT = Path("/sys/fs/cgroup/pids")
 CONTAINED = probe_containment().namespaces
 

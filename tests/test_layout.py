@@ -1,8 +1,6 @@
 """The layout page names every package and module of the code, so that it stays true to the tree."""
 
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
 
 
 def test_the_layout_page_names_every_package_and_module():

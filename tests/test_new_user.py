@@ -16,8 +16,7 @@ import pytest
 from retool.config.settings import RunSettings, SettingsError
 from retool.data.examples import read_examples
 from retool.run.setup import freeze, workers_warning
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
 
 
 def test_public_layouts_read_without_ids_and_with_capitalised_fields(tmp_path):

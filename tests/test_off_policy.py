@@ -14,7 +14,7 @@ from retool.config.rollout import behaviour_step
 from retool.config.trainer import TrainerConfig
 from retool.files.tables import DATUMS, SAMPLES, TRAJECTORIES, read_table
 from retool.training.losses import importance_weights, limited_by_correction
-from retool.training.step import load_policy, train_step
+from retool.training.step import load_policy, update_policy
 from tests.test_trainer import CONFIG, datum_logprobs, on_policy_datums
 
 
@@ -75,7 +75,7 @@ def test_decoupled_ppo_clips_against_the_policy_before_the_update(tiny_model_dir
     model, optimizer = load_policy(tiny_model_dir, None, config)
     stale = [shifted(d, 1.0) for d in on_policy_datums(model)]
     before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    metrics = train_step(model, optimizer, stale, config, num_trajectories=2)
+    metrics = update_policy(model, optimizer, stale, config, num_trajectories=2)
     moved = any(not torch.equal(a, p) for a, p in zip(before, [p for p in model.parameters() if p.requires_grad]))
     assert metrics.kl_sampler_trainer == pytest.approx(float(torch.e - 2), rel=1e-3)  # KL(behaviour || current)
     if correction == "none":  # clipped where the clip binds: the half with a positive advantage
@@ -173,8 +173,8 @@ def test_a_stale_steps_sampler_gap_is_taken_under_the_policy_that_sampled_it(tin
     config = replace(CONFIG, lora_rank=lora_rank, learning_rate=5e-3 if lora_rank else 1e-3)
     model, optimizer = load_policy(tiny_model_dir, None, config)
     datums = on_policy_datums(model)
-    train_step(model, optimizer, datums, config, num_trajectories=2)  # the policy moves on: the one a step later
-    drifted = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), datums, config, num_trajectories=2)
+    update_policy(model, optimizer, datums, config, num_trajectories=2)  # the policy moves on: the one a step later
+    drifted = update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), datums, config, num_trajectories=2)
     weights = {name: value.clone() for name, value in model.state_dict().items()}
     random_state = torch.get_rng_state()
     files = {"datums": tmp_path / "datums.parquet", "previous": tmp_path / "step0", "out": tmp_path / "step1"}

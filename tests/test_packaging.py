@@ -7,13 +7,12 @@ import os
 import subprocess
 import sys
 import sysconfig
-from pathlib import Path
 
 import pytest
 
 from retool.config.cold_start import ColdStartConfig
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 LUIGI = (sys.executable, "-m", "luigi", "--module", "pipeline")  # a command line of the pipeline
 
 

@@ -21,10 +21,8 @@ from retool.rollout.rows import observation_row
 from retool.rollout.stage_tables import trajectories_table
 from retool.run.shared import protocol_for, sandbox_for
 from retool.sampling.scripted import ScriptedSampler
-from tests.helpers import scripted
+from tests.helpers import REPO, scripted
 from tests.pipeline_helpers import TRAIN, batch, build, build_train, step_dir, tool_policy
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def without(table: pa.Table, column: str) -> pa.Table:
@@ -364,6 +362,7 @@ def test_task_help_does_not_import_torch():
 
 def test_a_sampler_that_does_not_serve_the_policy_fails_the_step_before_saving(configure, monkeypatch):
     from jobs.train_step import train_step
+    from retool.config.settings import training_stage
     from retool.training.resume import PolicySyncError
 
     settings = configure("out-of-sync", trainer={**TRAIN, "max_sampler_gap": 1e-3})  # scripted logprobs are made up
@@ -374,7 +373,7 @@ def test_a_sampler_that_does_not_serve_the_policy_fails_the_step_before_saving(c
         observations = sorted(folder.glob("shard=*/round=*/observations.parquet"))
         train_step(
             folder / "datums.parquet", folder / "trajectories.parquet", observations, None, None, None,
-            folder / "checkpoint", folder / "metrics.parquet", folder / "_timings", settings, 0,
+            folder / "checkpoint", folder / "metrics.parquet", folder / "_timings", training_stage(settings, 0), 0,
         )  # fmt: skip
 
 

@@ -15,14 +15,14 @@ from retool.sampling.adapters import adapter_for_engine, keeps_language_model_ap
 from retool.sampling.contract import SampleRequest, SamplingSettings
 from retool.training.checkpoints import save_checkpoint
 from retool.training.resume import PolicySyncError, check_policy_sync
-from retool.training.step import load_policy, train_step
+from retool.training.step import load_policy, update_policy
 from retool.weights.checkpoint import Checkpoint
 from retool.weights.models import build_tiny_model
 from tests.test_trainer import on_policy_datums
 
 LORA = TrainerConfig(
     lora_rank=8, lora_alpha=16, learning_rate=1e-2, gradient_checkpointing=False, autocast_bfloat16="false"
-)
+).on("cpu")
 REQUEST = SampleRequest(0, (0, 1), tuple(range(100, 140)), 16, seed=5)
 
 
@@ -39,7 +39,7 @@ def test_adapter_names_move_under_the_language_model_only_for_a_multimodal_engin
 def trained_checkpoint(base, folder):
     """One LoRA step on `base`, saved to `folder`; the trained model, for reference."""
     model, optimizer = load_policy(base, None, LORA)
-    metrics = train_step(model, optimizer, on_policy_datums(model), LORA, num_trajectories=2)
+    metrics = update_policy(model, optimizer, on_policy_datums(model), LORA, num_trajectories=2)
     save_checkpoint(folder, model, optimizer, metrics, LORA, base)
     return model.eval()
 
@@ -60,7 +60,7 @@ def sync_metrics(engine, model, settings: SamplingSettings = SamplingSettings(),
     """The trainer's step metrics on the engine's samples (a negligible step: only the gap matters)."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(parameters, lr=0.0)
-    return train_step(model, optimizer, served_datums(engine, settings), config, num_trajectories=2)
+    return update_policy(model, optimizer, served_datums(engine, settings), config, num_trajectories=2)
 
 
 vllm_only = pytest.mark.vllm
@@ -196,9 +196,11 @@ def test_a_full_fine_tune_of_qwen35_saves_the_names_its_published_checkpoint_has
     else:
         torch.manual_seed(0)
         Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TINY_QWEN35)).save_pretrained(base)
-    config = TrainerConfig(lora_rank=0, learning_rate=1e-3, gradient_checkpointing=False, autocast_bfloat16="false")
+    config = TrainerConfig(lora_rank=0, learning_rate=1e-3, gradient_checkpointing=False, autocast_bfloat16="false").on(
+        "cpu"
+    )
     model, optimizer = load_policy(base, None, config)
-    metrics = train_step(model, optimizer, random_datums(2, 32, TINY_QWEN35["vocab_size"]), config, 2)
+    metrics = update_policy(model, optimizer, random_datums(2, 32, TINY_QWEN35["vocab_size"]), config, 2)
     save_checkpoint(tmp_path / "step0", model, optimizer, metrics, config, base)
 
     saved = load_file(str(Checkpoint(tmp_path / "step0").model / "model.safetensors"))

@@ -16,7 +16,6 @@ import pytest
 from retool.data.conversations import read_conversations
 from retool.data.examples import DataError
 
-REPO = Path(__file__).resolve().parent.parent
 QUESTION = "What is the sum of the squares of 1, 2 and 3?"
 INSTRUCTION = "Solve the problem with the code interpreter; put the answer in \\boxed{}.\n\n*user question:*\n"
 FIRST, OUTPUT_1 = "squares = [n * n for n in (1, 2, 3)]\nprint(squares)", "[1, 4, 9]"

@@ -91,12 +91,12 @@ def test_a_resume_after_a_kill_replays_from_the_last_full_save_to_the_same_bits(
     assert Checkpoint(step.parent.parent / "step=0003" / "checkpoint").holds_state
     assert not Checkpoint(tmp_path / "killed" / "step=0004" / "checkpoint").holds_state
     replayed = []
-    real = retool.training.resume.train_step
-    retool.training.resume.train_step = lambda *a, **k: replayed.append(len(a[2])) or real(*a, **k)
+    real = retool.training.resume.update_policy
+    retool.training.resume.update_policy = lambda *a, **k: replayed.append(len(a[2])) or real(*a, **k)
     try:
         train(tmp_path / "killed", tiny_model_dir, config, range(5, STEPS), 4)
     finally:
-        retool.training.resume.train_step = real
+        retool.training.resume.update_policy = real
     resident.save_at_exit()
     assert len(replayed) == 3  # step 4 replayed, then steps 5 and 6 trained
     last = f"step={STEPS - 1:04d}/checkpoint"

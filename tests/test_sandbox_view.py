@@ -15,8 +15,8 @@ import retool.sandbox.isolation as isolation
 from retool.config.sandbox import SandboxConfig
 from retool.sandbox.call import Sandbox
 from retool.sandbox.isolation import probe_containment
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 VIEW = probe_containment().view
 needs_view = pytest.mark.skipif(not VIEW, reason="no filesystem view on this machine (see docs/safety.md)")
 

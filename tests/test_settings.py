@@ -7,15 +7,13 @@ import configparser
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from pipeline.config import SECTIONS
 from retool.config.settings import RunConfig, RunSettings, SettingsError, frozen, setting_fields
 from retool.run.setup import freeze
-
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers import REPO
 
 
 @pytest.mark.parametrize("path", ["luigi.cfg", "configs/cpu.cfg"])
@@ -127,7 +125,7 @@ def test_a_new_run_freezes_nested_settings(tmp_path):
 
 
 def code_files():
-    return sorted(path for folder in ("retool", "pipeline", "bench") for path in (REPO / folder).rglob("*.py"))
+    return sorted(path for folder in ("retool", "pipeline", "jobs", "bench") for path in (REPO / folder).rglob("*.py"))
 
 
 def test_modules_and_functions_stay_small():
@@ -141,6 +139,27 @@ def test_modules_and_functions_stay_small():
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:
                 too_long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}")
     assert not too_long
+
+
+def test_each_job_is_a_short_function_of_its_files():
+    """A stage's job reads its files, calls the library and writes its output: at most 60 lines a module (the
+    torchrun worker and the rules of where a step trains live in retool/training/)."""
+    sizes = {path.name: len(path.read_text().splitlines()) for path in (REPO / "jobs").glob("*.py")}
+    assert max(sizes.values()) <= 60, sizes
+
+
+def test_no_job_shares_its_name_with_a_library_function():
+    """A search for a rule finds one definition: a job and the library functions it calls are named apart."""
+
+    def functions(folder: str) -> set[str]:
+        return {
+            node.name
+            for path in (REPO / folder).rglob("*.py")
+            for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.FunctionDef)
+        }
+
+    assert not functions("jobs") & functions("retool")
 
 
 def test_making_a_task_has_no_effect_and_the_run_is_set_up_once_when_luigi_first_asks(configure):

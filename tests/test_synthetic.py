@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +14,8 @@ from retool.data.examples import read_examples
 from retool.data.families import FAMILIES, ROLES, families_of
 from retool.data.synthetic import evaluation_questions, family_of, generate, generate_problems, training_questions
 from retool.sandbox.call import Sandbox
+from tests.helpers import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 SFT, TRAIN, EVAL = (
     REPO / "data" / name for name in ("synthetic_sft.jsonl", "synthetic_train.jsonl", "synthetic_eval.jsonl")
 )

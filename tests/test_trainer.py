@@ -18,11 +18,11 @@ from retool.training.checkpoints import prune_checkpoints, save_checkpoint
 from retool.training.losses import token_logprobs
 from retool.training.packing import loss_token_weights, pack_micro_batches
 from retool.training.resume import StepInputs
-from retool.training.step import accumulate_gradients, load_policy, train_step
+from retool.training.step import accumulate_gradients, load_policy, update_policy
 
 CONFIG = TrainerConfig(
     lora_rank=8, lora_alpha=16, learning_rate=5e-3, gradient_checkpointing=False, autocast_bfloat16="false"
-)
+).on("cpu")
 
 
 def make_datum(question, group, prompt, completion, advantage, old_logprobs, observation=(), second=()):
@@ -66,7 +66,7 @@ def test_one_step_raises_positive_and_lowers_negative_completions(tiny_model_dir
     model, optimizer = load_policy(tiny_model_dir, None, CONFIG)
     datums = on_policy_datums(model)
     before = [sequence_logprob(model, d) for d in datums]
-    metrics = train_step(model, optimizer, datums, CONFIG, num_trajectories=2)
+    metrics = update_policy(model, optimizer, datums, CONFIG, num_trajectories=2)
     after = [sequence_logprob(model, d) for d in datums]
     assert after[0] > before[0] and after[1] < before[1]
     assert metrics.datums == 2 and metrics.loss_tokens == 24 and not metrics.skipped
@@ -91,7 +91,7 @@ def test_observation_tokens_never_reach_the_gradient(tiny_model_dir):
     results = []
     for variant in (datum, noisy):
         model, optimizer = load_policy(tiny_model_dir, None, CONFIG)
-        train_step(model, optimizer, [variant], CONFIG, num_trajectories=1)
+        update_policy(model, optimizer, [variant], CONFIG, num_trajectories=1)
         results.append({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
     assert all(torch.equal(results[0][name], results[1][name]) for name in results[0])
 
@@ -142,7 +142,7 @@ def test_entropy_and_kl_of_a_step_match_a_direct_computation(tiny_model_dir, min
     model, optimizer = load_policy(tiny_model_dir, None, config)
     datums = on_policy_datums(model)
     before = loss_token_distributions(model, datums)
-    metrics = train_step(model, optimizer, datums, config, num_trajectories=2)
+    metrics = update_policy(model, optimizer, datums, config, num_trajectories=2)
     after = loss_token_distributions(model, datums)
     entropy = torch.cat([-(lp.exp() * lp).sum(-1) for lp, _ in before]).mean()
     chosen = [torch.cat([lp.gather(-1, t[:, None])[:, 0] for lp, t in rows]) for rows in (before, after)]
@@ -160,7 +160,7 @@ def test_entropy_and_kl_of_a_step_match_a_direct_computation(tiny_model_dir, min
 def test_later_mini_batches_are_off_policy_and_the_clip_bounds_them(tiny_model_dir):
     config = replace(CONFIG, learning_rate=3e-2, ppo_mini_batches=2, ppo_epochs=2)
     model, optimizer = load_policy(tiny_model_dir, None, config)
-    metrics = train_step(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
+    metrics = update_policy(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
     assert metrics.updates == 4 and metrics.clip_fraction > 0  # the first update moved the policy past the clip
     assert metrics.ratio_outside_clip > 0
 
@@ -173,7 +173,7 @@ def test_loss_weights_give_the_documented_means():
 def test_a_step_without_datums_skips_the_update(tiny_model_dir):
     model, optimizer = load_policy(tiny_model_dir, None, CONFIG)
     before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    metrics = train_step(model, optimizer, [], CONFIG, num_trajectories=8)
+    metrics = update_policy(model, optimizer, [], CONFIG, num_trajectories=8)
     assert metrics.skipped and metrics.datums == 0
     assert all(torch.equal(a, b) for a, b in zip(before, [p for p in model.parameters() if p.requires_grad]))
 
@@ -181,7 +181,7 @@ def test_a_step_without_datums_skips_the_update(tiny_model_dir):
 def test_full_fine_tune_and_checkpoint_round_trip(tiny_model_dir, tmp_path):
     for config in (CONFIG, replace(CONFIG, lora_rank=0, learning_rate=1e-4)):
         model, optimizer = load_policy(tiny_model_dir, None, config)
-        metrics = train_step(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
+        metrics = update_policy(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
         folder = tmp_path / f"rank{config.lora_rank}" / "checkpoint"
         save_checkpoint(folder, model, optimizer, metrics, config, tiny_model_dir)
         assert (folder / "_SUCCESS").exists() and json.loads((folder / "metrics.json").read_text())["datums"] == 2
@@ -220,7 +220,7 @@ def test_two_processes_give_the_same_parameters_as_one(tiny_model_dir, tmp_path,
     write_table_atomically(table_from_rows(rows, DATUMS), tmp_path / "datums.parquet")
     assert len(datums) % 2  # one datum per micro-batch: one process has one fewer and repeats one at zero weight
     config = replace(CONFIG, micro_batch_items=1, lora_rank=lora_rank, data_parallel=data_parallel)
-    worker = ["-m", "jobs.train_step", "--inputs"]
+    worker = ["-m", "jobs.update_policy", "--inputs"]
     torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517"]
     for name, command in (("one", worker), ("two", [*torchrun, *worker])):
         for step, previous in ((0, None), (1, tmp_path / f"{name}0")):
@@ -284,7 +284,7 @@ def test_filtering_zero_variance_groups_averages_over_datums_only(tiny_model_dir
             CONFIG, loss_aggregation="sample_mean", filter_zero_variance_groups=filtered, learning_rate=1e-9
         )
         model, optimizer = load_policy(tiny_model_dir, None, config)
-        losses[filtered] = train_step(model, optimizer, datums, config, num_trajectories=10).loss
+        losses[filtered] = update_policy(model, optimizer, datums, config, num_trajectories=10).loss
     assert losses[True] == pytest.approx(losses[False] * 5, rel=1e-4)  # 2 datums of 10 trajectories
 
 
@@ -344,10 +344,12 @@ def test_a_full_fine_tune_in_bfloat16_compute_changes_every_weight_at_a_small_le
     def changed_fraction(config: TrainerConfig) -> float:
         model, optimizer = load_policy(tiny_model_dir, None, config)
         before = [p.detach().clone() for p in model.parameters()]
-        train_step(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
+        update_policy(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
         return share_updated(model, optimizer, before)
 
-    full = TrainerConfig(lora_rank=0, learning_rate=1e-5, gradient_checkpointing=False, autocast_bfloat16="true")
+    full = TrainerConfig(lora_rank=0, learning_rate=1e-5, gradient_checkpointing=False, autocast_bfloat16="true").on(
+        "cpu"
+    )
     mixed = changed_fraction(full)  # dtype auto: float32 master weights
     pure = changed_fraction(replace(full, dtype="bfloat16"))
     assert mixed >= 0.99 and pure < 0.5, (mixed, pure)

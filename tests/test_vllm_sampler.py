@@ -90,14 +90,14 @@ def test_stop_token_is_kept_in_the_tokens(engine):
 def test_a_lora_checkpoint_is_served_as_a_fresh_adapter(engine, tiny_model_dir, tmp_path):
     from retool.config.trainer import TrainerConfig
     from retool.training.checkpoints import save_checkpoint
-    from retool.training.step import load_policy, train_step
+    from retool.training.step import load_policy, update_policy
     from tests.test_trainer import on_policy_datums
 
-    config = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2, autocast_bfloat16="false")
+    config = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2, autocast_bfloat16="false").on("cpu")
     model, optimizer = load_policy(tiny_model_dir, None, config)
     checkpoints = []
     for step in range(2):  # two checkpoints: the second must not be served from the first's cache
-        metrics = train_step(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
+        metrics = update_policy(model, optimizer, on_policy_datums(model), config, num_trajectories=2)
         save_checkpoint(tmp_path / f"step{step}", model, optimizer, metrics, config, tiny_model_dir)
         checkpoints.append(tmp_path / f"step{step}")
     model.eval()
@@ -138,19 +138,19 @@ def test_full_weights_and_an_adapter_over_them_are_served_exactly(engine, tiny_m
     exactly, the adapter over the weights it was trained on, not over the engine's own model."""
     from retool.config.trainer import TrainerConfig
     from retool.training.checkpoints import save_checkpoint
-    from retool.training.step import load_policy, train_step
+    from retool.training.step import load_policy, update_policy
     from tests.test_trainer import on_policy_datums
 
-    full = TrainerConfig(lora_rank=0, learning_rate=1e-2, autocast_bfloat16="false")
+    full = TrainerConfig(lora_rank=0, learning_rate=1e-2, autocast_bfloat16="false").on("cpu")
     model, optimizer = load_policy(tiny_model_dir, None, full)
-    metrics = train_step(model, optimizer, on_policy_datums(model), full, num_trajectories=2)
+    metrics = update_policy(model, optimizer, on_policy_datums(model), full, num_trajectories=2)
     save_checkpoint(tmp_path / "full", model, optimizer, metrics, full, tiny_model_dir)
     engine.use_policy(Checkpoint(tmp_path / "full").policy(tiny_model_dir))
     assert max_gap(engine, model.eval(), requests()[0]) < 1e-4
 
-    lora = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2, autocast_bfloat16="false")
+    lora = TrainerConfig(lora_rank=4, lora_alpha=8, learning_rate=1e-2, autocast_bfloat16="false").on("cpu")
     model, optimizer = load_policy(tmp_path / "full" / "model", None, lora)
-    metrics = train_step(model, optimizer, on_policy_datums(model), lora, num_trajectories=2)
+    metrics = update_policy(model, optimizer, on_policy_datums(model), lora, num_trajectories=2)
     save_checkpoint(tmp_path / "adapter", model, optimizer, metrics, lora, tmp_path / "full" / "model")
     engine.use_policy(Checkpoint(tmp_path / "adapter").policy(tmp_path / "full" / "model"))
     assert max_gap(engine, model.eval(), requests()[0]) < 1e-3

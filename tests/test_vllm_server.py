@@ -161,14 +161,14 @@ def test_every_process_serves_a_lora_policy_through_one_server_and_the_next_poli
     import requests as http
 
     from retool.training.checkpoints import save_checkpoint
-    from retool.training.step import load_policy, train_step
+    from retool.training.step import load_policy, update_policy
     from tests.test_policy_sync import LORA, trained_checkpoint
     from tests.test_trainer import on_policy_datums
 
     trained_checkpoint(tiny_model_dir, tmp_path / "step0")
     other = replace(LORA, seed=7)  # other initial LoRA weights: the next step's adapter
     model, optimizer = load_policy(tiny_model_dir, None, other)
-    metrics = train_step(model, optimizer, on_policy_datums(model), other, num_trajectories=2)
+    metrics = update_policy(model, optimizer, on_policy_datums(model), other, num_trajectories=2)
     save_checkpoint(tmp_path / "step1", model, optimizer, metrics, other, tiny_model_dir)
     step0, step1 = (Checkpoint(tmp_path / name).policy(tiny_model_dir) for name in ("step0", "step1"))
     request = SampleRequest(0, (0,), tuple(range(100, 140)), 12, seed=5)

@@ -9,13 +9,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from jobs.sample_round import held_weights
 from retool.config.sampler import SamplerConfig, takes_weights_in_memory
 from retool.config.settings import RunSettings
 from retool.sampling.contract import SamplingSettings
 from retool.sampling.hf import HFSampler
 from retool.sampling.server import server_command, server_environment
 from retool.training import resident
+from retool.training.resident import held_weights
 from retool.weights.checkpoint import Checkpoint
 from tests.test_hf_sampler import requests_for
 from tests.test_resume import train

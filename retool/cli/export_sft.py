@@ -15,11 +15,10 @@ from retool.data.examples import DataError
 from retool.files import layout
 from retool.files.layout import RunFolder
 from retool.files.tables import TRAJECTORIES, read_table
-from retool.rollout.export import solution_of
+from retool.rollout.conversations import sft_examples_table, solution_of
 from retool.rollout.replay import replay_shards
 from retool.run.setup import recorded_settings
 from retool.run.shared import protocol_for
-from retool.training.cold_start import sft_examples_table
 
 
 @dataclass(frozen=True)

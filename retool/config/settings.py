@@ -12,10 +12,10 @@ from typing import Any, ClassVar
 from retool.config.checks import SettingsError, require
 from retool.config.cold_start import ColdStartConfig
 from retool.config.reward import RewardConfig
-from retool.config.rollout import RolloutConfig, seed_capacity
+from retool.config.rollout import RolloutConfig, behaviour_step, seed_capacity
 from retool.config.sampler import SamplerConfig, engine_dtype
 from retool.config.sandbox import SandboxConfig
-from retool.config.trainer import TrainerConfig, resolved_autocast, resolved_dtype
+from retool.config.trainer import TrainerConfig
 
 TRACKERS = ("none", "tensorboard", "wandb", "mlflow")  # see retool.evaluation.tracking
 DRAWS = ("shuffled", "frontier")  # how a step's questions are chosen ([data] draw)
@@ -143,12 +143,7 @@ class RunSettings:
         for a LoRA's base on CUDA; autocast where the device computes bfloat16 natively), and activations
         recomputed only on CUDA (a CPU run has memory to spare)."""
         on_cuda = self.run.device == "cuda"
-        return replace(
-            trainer,
-            dtype=resolved_dtype(trainer.dtype, self.run.device, trainer.lora_rank),
-            autocast_bfloat16=resolved_autocast(trainer.autocast_bfloat16, self.run.device),
-            gradient_checkpointing=trainer.gradient_checkpointing and on_cuda,
-        )
+        return replace(trainer.on(self.run.device), gradient_checkpointing=trainer.gradient_checkpointing and on_cuda)
 
     def changed(self, **sections: dict[str, Any]) -> RunSettings:
         """These settings with some fields of some sections changed: changed(rollout={"group_size": 4})."""
@@ -176,6 +171,20 @@ OPERATIONAL = {
 # [sampler] engine may differ too between engines that give the same tokens for the same seeds: vLLM in this
 # process and vLLM's server (a test compares them). Another engine (hf, or a scripted one) samples other tokens.
 SAME_SAMPLES = {"vllm-server": "vllm"}
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """What a stage of a step runs under, resolved once by its task (pipeline/tasks.py RunTask.stage): the stages
+    below it resolve nothing again."""
+
+    settings: RunSettings  # the run's, or an evaluation's (retool/evaluation/spec.py evaluation_settings)
+    sampled_by: int  # the RL step whose checkpoint samples the step's rollout (-1: the RL base)
+
+
+def training_stage(settings: RunSettings, step: int) -> StageSettings:
+    """A training step's: sampled by the checkpoint [rollout] max_staleness steps before the step before it."""
+    return StageSettings(settings, behaviour_step(step, settings.rollout.max_staleness))
 
 
 def sampled_by(engine: str, device: str) -> str:

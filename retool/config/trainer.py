@@ -3,10 +3,10 @@ precision (apart from the trainer itself, so that reading settings never imports
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from retool.config.checks import require
+from retool.config.checks import SettingsError, require
 from retool.config.precision import bfloat16_native
 
 OBJECTIVES = ("ppo", "sft")
@@ -84,6 +84,25 @@ class TrainerConfig:
         object.__setattr__(self, "autocast_bfloat16", autocast)
         for name in ("micro_batch_items", "micro_batch_tokens", "ppo_mini_batches", "ppo_epochs", "save_every"):
             require(self, name, getattr(self, name) > 0, "> 0")
+
+    def on(self, device: str) -> TrainerConfig:
+        """This config with every `auto` resolved for `device`, once, where training starts (a run's settings:
+        RunSettings.on_device; a tool or a test: here). The trainer reads the resolved values and refuses `auto`."""
+        return replace(
+            self,
+            dtype=resolved_dtype(self.dtype, device, self.lora_rank),
+            autocast_bfloat16=resolved_autocast(self.autocast_bfloat16, device),
+            data_parallel=resolved_data_parallel(self.data_parallel, self.lora_rank),
+        )
+
+    def check_resolved(self) -> None:
+        """Refuses a config whose `auto` values were never resolved for a device (see `on`)."""
+        unresolved = [name for name in ("dtype", "autocast_bfloat16", "data_parallel") if getattr(self, name) == "auto"]
+        if unresolved:
+            raise SettingsError(
+                f"[trainer] {', '.join(unresolved)} = auto reached the trainer unresolved: resolve the config for its "
+                "device first (TrainerConfig.on(device))"
+            )
 
 
 def saves_in_full(step: int, save_every: int) -> bool:

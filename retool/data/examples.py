@@ -7,6 +7,7 @@ import random
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,12 @@ def read_examples(path: str | Path) -> list[MathExample]:
     if not examples:
         raise DataError(f"{path}: data file has no examples")
     return examples
+
+
+@lru_cache(maxsize=16)  # asked by every task of a step's or an evaluation's graph: each file is read once
+def cached_examples(path: str) -> tuple[MathExample, ...]:
+    """`read_examples`, once per process and path."""
+    return tuple(read_examples(path))
 
 
 def write_examples(examples: Sequence[MathExample], path: str | Path) -> None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
 
 from retool.files.atomic import write_text_atomically
+from retool.files.tables import OBSERVATIONS, TRAJECTORIES, read_table, write_table_atomically
 from retool.rollout.scoring import zero_variance_groups
 from retool.rollout.state import STOP_REASONS
 from retool.training.record import StepMetrics
@@ -45,6 +47,30 @@ def _mean(values: list[float]) -> float:
 
 
 METRICS_COLUMNS = ("kind", "exec_status", "exec_seconds")  # of observations.parquet: what step_metrics reads
+
+
+def write_step_metrics(
+    out: Path,
+    step: int,
+    trajectories: Path,
+    observations: Sequence[Path],
+    timings: Path,
+    training: StepMetrics,
+    **extra,
+) -> dict:
+    """The step's metrics.parquet, from its files (its trajectories, every round's observations and its stages'
+    timings), the update's figures and `extra` columns; returns its row."""
+    seconds = stage_seconds(timings)
+    row = step_metrics(
+        step,
+        read_table(trajectories, TRAJECTORIES),
+        pa.concat_tables([read_table(path, OBSERVATIONS, METRICS_COLUMNS) for path in observations]),
+        training,
+        {**{stage: seconds.get(stage, 0.0) for stage in ROLLOUT_STAGES}, TRAINING_STAGE: training.seconds},
+    )
+    row.update(extra)
+    write_table_atomically(pa.Table.from_pylist([row]), out)
+    return row
 
 
 def step_metrics(

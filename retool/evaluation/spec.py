@@ -10,7 +10,7 @@ from pathlib import Path
 
 from retool.config.rollout import RolloutConfig, seed_capacity
 from retool.config.settings import RunSettings, SettingsError
-from retool.data.examples import MathExample, read_examples
+from retool.data.examples import MathExample, cached_examples
 from retool.evaluation.scores import EVAL_MODES
 
 
@@ -40,13 +40,8 @@ class EvalSpec:
         return f"{Path(self.dataset).stem}-{content_hash(self.dataset)}/{self.mode}-n{self.n}{sampling}{limit}"
 
     def examples(self) -> list[MathExample]:
-        examples = list(_examples(self.dataset))
+        examples = list(cached_examples(self.dataset))
         return examples[: self.limit] if self.limit else examples
-
-
-@lru_cache(maxsize=16)
-def _examples(path: str) -> tuple[MathExample, ...]:
-    return tuple(read_examples(path))
 
 
 def content_hash(path: str) -> str:

@@ -57,9 +57,9 @@ class Tracker:
     settings: dict = field(default_factory=dict)  # the run's frozen settings by section: the tracker run's params
 
     @classmethod
-    def of(cls, run: RunSettings) -> Tracker:
+    def of(cls, settings: RunSettings) -> Tracker:
         """The tracker of a run, as its settings name it."""
-        return cls(run.run.tracker, RunFolder(run.run_dir), run.run.name, frozen(run))
+        return cls(settings.run.tracker, RunFolder(settings.run_dir), settings.run.name, frozen(settings))
 
     def run_id(self) -> str:
         """The tracker run's id: drawn by the run's first command, read by every later one."""

@@ -101,7 +101,7 @@ def build_datum(trajectory: Trajectory, trainer_max_tokens: int) -> Datum:
     )
 
 
-def build_datums(trajectories: list[Trajectory], trainer_max_tokens: int) -> list[Datum]:
+def datums_of(trajectories: list[Trajectory], trainer_max_tokens: int) -> list[Datum]:
     """A datum for every trajectory whose advantage is not zero (the others carry no signal)."""
     return [build_datum(t, trainer_max_tokens) for t in trajectories if t.advantage and t.turns]
 

@@ -97,6 +97,18 @@ def end_step(
     return ordered
 
 
+def trained_groups(rows: Iterable[dict]) -> tuple[int, int]:
+    """Of a step's trajectories (trajectories.parquet's rows): those of the groups that train (kept, not masked),
+    and how many of those groups got one reward throughout (the reward their advantages came from; files written
+    before shaping hold correctness only)."""
+    trained = [row for row in rows if row["kept"] and not row["masked"]]
+    rewards = [
+        (row["question_index"], row["reward"] if row["shaped_reward"] is None else row["shaped_reward"])
+        for row in trained
+    ]
+    return len(trained), zero_variance_groups(rewards)
+
+
 def zero_variance_groups(question_rewards: Iterable[tuple[int, float]]) -> int:
     """Questions whose whole group got the same reward: advantage 0 everywhere, no learning signal.
     Takes (question_index, reward) pairs."""

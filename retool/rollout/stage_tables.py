@@ -14,7 +14,7 @@ from retool.config.rollout import RolloutConfig
 from retool.data.frontier import Draw
 from retool.files.tables import OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
 from retool.protocol.chat import ChatProtocol
-from retool.rollout.datums import Datum, build_datums, datums_to_table
+from retool.rollout.datums import Datum, datums_of, datums_to_table
 from retool.rollout.replay import StaleInputError
 from retool.rollout.rows import (
     observation_row,
@@ -149,7 +149,7 @@ def trained_datums(trajectories: Sequence[Trajectory], scored: pa.Table, trainer
     ordered = sorted(
         (t for t in trajectories if t.kept and not t.masked), key=lambda t: (t.question_index, t.group_index)
     )
-    return build_datums(ordered, trainer_max_tokens)
+    return datums_of(ordered, trainer_max_tokens)
 
 
 # One-line summaries of each stage's output, for the log.

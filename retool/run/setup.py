@@ -85,7 +85,7 @@ def third_party_output_to(path: Path) -> None:
 def check_inputs(settings: RunSettings) -> None:
     """Reads the run's data files once, so that a bad row fails the command at once with the file and
     line, instead of failing a stage that the scheduler would retry."""
-    step_examples(settings, 0, None)
+    step_examples(settings, 0)
     if settings.cold_start.data:
         read_conversations(settings.cold_start.data)
 

@@ -7,25 +7,16 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 
-from retool.config.rollout import behaviour_step
 from retool.config.sandbox import SandboxConfig
-from retool.config.settings import ModelConfig, RunSettings
-from retool.data.examples import MathExample, shuffled, take_batch
+from retool.config.settings import ModelConfig, RunSettings, training_stage
+from retool.data.examples import MathExample, cached_examples, shuffled, take_batch
 from retool.data.frontier import Draw, frontier_draw
-from retool.evaluation.spec import EvalSpec, _examples, evaluation_settings
 from retool.files.layout import RoundPaths, RunFolder
 from retool.protocol.chat import ChatProtocol, load_tokenizer
 from retool.rollout.replay import replay_files
 from retool.rollout.state import Trajectory
 from retool.sandbox.call import Sandbox
 from retool.weights.models import resolve_model, rl_base
-
-
-@lru_cache(maxsize=4)
-def policy_step(settings: RunSettings, step: int, evaluation: EvalSpec | None = None) -> int:
-    """The RL step whose checkpoint step `step`'s rollout samples from (-1: the RL base): an evaluation its own
-    step's; a training step the one [rollout] max_staleness steps before the step before it."""
-    return step if evaluation is not None else behaviour_step(step, settings.rollout.max_staleness)
 
 
 @lru_cache(maxsize=4)
@@ -54,12 +45,10 @@ def sandbox_for(config: SandboxConfig) -> Sandbox:
     return Sandbox(config)
 
 
-def step_examples(settings: RunSettings, step: int, evaluation: EvalSpec | None) -> list[MathExample]:
-    """The questions a step rolls out: its batch of the shuffled training data, or an evaluation's data set."""
-    if evaluation is not None:
-        return evaluation.examples()
+def step_examples(settings: RunSettings, step: int) -> list[MathExample]:
+    """The questions training step `step` rolls out by the shuffled walk: its batch of the shuffled training data."""
     data = settings.data
-    return take_batch(shuffled(_examples(data.train), data.seed), step, data.questions_rolled_out)
+    return take_batch(shuffled(cached_examples(data.train), data.seed), step, data.questions_rolled_out)
 
 
 def history_steps(settings: RunSettings, step: int) -> range:
@@ -67,33 +56,34 @@ def history_steps(settings: RunSettings, step: int) -> range:
     of those finished before its sampling may start (up to the one whose checkpoint samples it); none otherwise."""
     if settings.data.draw != "frontier":
         return range(0)
-    newest = policy_step(settings, step)
+    newest = training_stage(settings, step).sampled_by
     return range(max(newest + 1 - settings.data.frontier_steps, 0), newest + 1)
 
 
 def step_draws(
-    settings: RunSettings, step: int, evaluation: EvalSpec | None, history: Sequence[dict] = ()
+    settings: RunSettings, step: int, questions: Sequence[MathExample] | None = None, history: Sequence[dict] = ()
 ) -> list[Draw]:
-    """The questions a step rolls out and why: by [data] draw, the frontier draw once there are earlier steps'
-    outcomes (`history`: rows of their trajectories), else the shuffled walk; an evaluation's data set in order."""
+    """The questions a step rolls out and why: an evaluation's data set (`questions`) in order; else by [data] draw,
+    the frontier draw once there are earlier steps' outcomes (`history`: rows of their trajectories), else the
+    shuffled walk."""
+    if questions is not None:
+        return [Draw(example, None, None, "the evaluation's data set") for example in questions]
     data = settings.data
-    if evaluation is None and data.draw == "frontier" and history:
-        pool = shuffled(_examples(data.train), data.seed)
+    if data.draw == "frontier" and history:
+        pool = shuffled(cached_examples(data.train), data.seed)
         count, group = data.questions_rolled_out, settings.rollout.group_size
         return frontier_draw(pool, history, count, group, data.frontier_floor, (data.seed, step))
-    reason = "the evaluation's data set" if evaluation is not None else "the shuffled walk"
-    return [Draw(example, None, None, reason) for example in step_examples(settings, step, evaluation)]
+    return [Draw(example, None, None, "the shuffled walk") for example in step_examples(settings, step)]
 
 
 def replayed_shard(
-    prompts: Path, rounds: Sequence[RoundPaths], run: RunSettings, evaluation: EvalSpec | None, shard: int
-) -> tuple[RunSettings, ChatProtocol, list[Trajectory]]:
-    """What a round of one shard starts from: the settings it runs under (the run's, or its evaluation's), their
-    protocol, and the shard's trajectories after `rounds`, rebuilt from those files (a round's state is never
-    stored: a re-run starts from what the files say)."""
-    settings = evaluation_settings(run, evaluation)
+    prompts: Path, rounds: Sequence[RoundPaths], settings: RunSettings, shard: int
+) -> tuple[ChatProtocol, list[Trajectory]]:
+    """What a round of one shard starts from: the protocol of the settings it runs under, and the shard's
+    trajectories after `rounds`, rebuilt from those files (a round's state is never stored: a re-run starts from
+    what the files say)."""
     protocol = protocol_for(settings.model)
-    return settings, protocol, replay_files(prompts, rounds, protocol, settings.rollout, shard, detail="state")
+    return protocol, replay_files(prompts, rounds, protocol, settings.rollout, shard, detail="state")
 
 
 def run_rl_base(settings: RunSettings) -> Path:

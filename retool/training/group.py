@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -21,7 +22,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from retool.config.settings import RunSettings
 from retool.files.atomic import write_text_atomically
+from retool.files.layout import RunFolder
+from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memory, sampler_kind
 from retool.training.record import StepMetrics
 
 RECORD, REQUEST, RESPONSE, LOG = "group.json", "request.json", "response.json", "group.log"
@@ -66,7 +70,16 @@ def group_for(folder: Path, processes: int, hold_on: str, command_pid: int) -> i
     for name in (REQUEST, RESPONSE):
         (folder / name).unlink(missing_ok=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
-    command += ["-m", "jobs.train_step", "--serve", str(folder), "--parent", str(command_pid), "--hold-on", hold_on]
+    command += [
+        "-m",
+        "retool.training.worker",
+        "--serve",
+        str(folder),
+        "--parent",
+        str(command_pid),
+        "--hold-on",
+        hold_on,
+    ]
     with (folder / LOG).open("ab") as log:
         # Its own session: Ctrl-C reaches the command, which stops the group after the held step is saved.
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -161,3 +174,46 @@ def serve_steps(folder: Path, parent: int, hold_on: str, device: str) -> None:
         if first:
             write_text_atomically(folder / RESPONSE, json.dumps({"metrics": asdict(metrics)}))
     resident.save_at_exit()
+
+
+# Where a step trains: in this process, or in the command's training group (one process per GPU); and where the
+# trainer's state waits between steps, so that the next step starts from it rather than from the files.
+
+
+def trains_in_group(settings: RunSettings) -> bool:
+    return settings.run.train_processes > 1
+
+
+def stays_resident(settings: RunSettings) -> bool:
+    """The trainer stays between steps in this process (one training process, Luigi running the tasks here) or in
+    the command's training group (several); only then may a step skip the full save, which the held state makes at
+    the end of the command."""
+    return trains_in_group(settings) or multiprocessing.parent_process() is None
+
+
+def held_on(settings: RunSettings) -> str:
+    """Where the trainer waits between steps: the host while a sampler uses the same GPUs (an engine in this
+    process, or servers that sleep while a step trains: colocated); the GPU when the servers have their own."""
+    kind = sampler_kind(settings)
+    colocated = kind in ("vllm", "hf") or (kind == "vllm-server" and settings.sampler.sleep_while_training)
+    device = settings.run.device
+    return "cpu" if device == "cuda" and colocated else device
+
+
+def train_placed(inputs, settings: RunSettings) -> StepMetrics:
+    """Trains a StepInputs where the settings place it: the command's training group (started at its first step),
+    or this process (its state held on afterwards where it stays resident); the sampler sleeps meanwhile."""
+    release_sampler_memory(settings)  # the sampler's GPU memory is the step's while it trains
+    if trains_in_group(settings):
+        folder = RunFolder(settings.run_dir).trainer_group
+        command = multiprocessing.parent_process()  # Luigi's worker processes are the command's children
+        pid = group_for(
+            folder, settings.run.train_processes, held_on(settings), command.pid if command else os.getpid()
+        )
+        metrics = train_in_group(folder, pid, inputs)
+    else:
+        from retool.training.resume import train_from_files
+
+        metrics = train_from_files(inputs, settings.run.device, held_on(settings) if stays_resident(settings) else "")
+    reclaim_sampler_memory(settings)
+    return metrics

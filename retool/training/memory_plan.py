@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from retool.config.trainer import TrainerConfig, resolved_autocast, resolved_data_parallel, resolved_dtype
+from retool.config.trainer import TrainerConfig
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -71,11 +71,12 @@ def shape_of(config) -> ModelShape:
     )
 
 
-def plan_step(shape: ModelShape, config: TrainerConfig, device: str, processes: int = 1) -> MemoryPlan:
+def plan_step(shape: ModelShape, config: TrainerConfig, processes: int = 1) -> MemoryPlan:
     """The estimate for one micro-batch of `micro_batch_tokens` (padding included) under `config`, in each of
     `processes` training processes (FSDP2 shares the weights and the trained state out among them)."""
-    size = DTYPE_BYTES[resolved_dtype(config.dtype, device, config.lora_rank)]
-    compute = DTYPE_BYTES["bfloat16"] if resolved_autocast(config.autocast_bfloat16, device) == "true" else size
+    config.check_resolved()
+    size = DTYPE_BYTES[config.dtype]
+    compute = DTYPE_BYTES["bfloat16"] if config.autocast_bfloat16 == "true" else size
     weights = shape.parameters * size
     if config.lora_rank:
         # PEFT keeps adapter weights in float32: weight, gradient and two Adam moments.
@@ -84,7 +85,7 @@ def plan_step(shape: ModelShape, config: TrainerConfig, device: str, processes: 
         trainable = shape.parameters * size * 3  # gradient and two Adam moments in the weights' dtype
     # autocast's bfloat16 copy of each trained weight, cached until the backward pass
     cast = shape.parameters * compute if compute < size and not config.lora_rank else 0
-    if processes > 1 and resolved_data_parallel(config.data_parallel, config.lora_rank) == "fsdp":
+    if processes > 1 and config.data_parallel == "fsdp":
         # Each process holds 1/K of every weight and of the trained state, and two layers whole at a time (one
         # prefetched), with their bfloat16 casts (not cached under FSDP2: see step.policy_pass).
         weights, trainable = weights // processes + 2 * (weights + cast) // shape.layers, trainable // processes
@@ -122,6 +123,6 @@ def check_memory(base_model: Path, config: TrainerConfig, device: str, processes
     if device.startswith("cuda"):
         import torch
 
-        plan = plan_step(model_shape(base_model), config, device, processes)
+        plan = plan_step(model_shape(base_model), config, processes)
         print(f"memory plan of the training step: {plan.describe()}", flush=True)
         check_plan(plan, torch.cuda.mem_get_info()[0])

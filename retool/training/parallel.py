@@ -25,7 +25,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from retool.config.trainer import TrainerConfig, resolved_data_parallel
+from retool.config.trainer import TrainerConfig
 from retool.training.losses import token_logprobs
 from retool.training.packing import MicroBatch
 
@@ -83,7 +83,7 @@ def data_parallel(model, config: TrainerConfig, device: str):
     if rank_and_world()[1] == 1:
         return model
     wrapped = TokenLogprobs(model)
-    if resolved_data_parallel(config.data_parallel, config.lora_rank) == "fsdp":
+    if config.data_parallel == "fsdp":
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         layers = set(getattr(base, "_no_split_modules", None) or ())  # transformers names its decoder layer classes
         for module in base.modules():
@@ -98,7 +98,7 @@ def data_parallel(model, config: TrainerConfig, device: str):
 
 def loads_on(config: TrainerConfig, device: str) -> str:
     """Where the weights load: FSDP2 shards them from host memory, so that no GPU ever holds the whole model."""
-    sharding = rank_and_world()[1] > 1 and resolved_data_parallel(config.data_parallel, config.lora_rank) == "fsdp"
+    sharding = rank_and_world()[1] > 1 and config.data_parallel == "fsdp"
     return "cpu" if sharding else device
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from retool.config.trainer import TrainerConfig
+from retool.config.trainer import TrainerConfig, resolved_data_parallel
 from retool.files.tables import DATUMS, read_table
 from retool.rollout.datums import Datum, datums_from_table
 from retool.training import parallel, resident
@@ -33,7 +33,7 @@ from retool.training.step import (
     policy_pass,
     release_memory,
     set_seed,
-    train_step,
+    update_policy,
 )
 from retool.weights.checkpoint import Checkpoint
 
@@ -66,7 +66,10 @@ class StepInputs:
         fields.pop("stale", None)  # recorded by earlier versions, which made no check of a stale step
         names = ("base_model", "datums", "previous", "out", "behaviour")
         paths = {name: Path(fields[name]) if fields.get(name) else None for name in names}
-        return cls(**{**fields, **paths, "config": TrainerConfig(**fields["config"])})
+        config = TrainerConfig(**fields["config"])
+        if config.data_parallel == "auto":  # recorded unresolved by earlier versions (the only `auto` they left)
+            config = replace(config, data_parallel=resolved_data_parallel("auto", config.lora_rank))
+        return cls(**{**fields, **paths, "config": config})
 
 
 class ResumeError(RuntimeError):
@@ -88,7 +91,7 @@ def train_from_files(inputs: StepInputs, device: str = "cpu", hold_on: str = "")
         if inputs.behaviour is not None:
             checked = config.max_sampler_gap and config.objective == "ppo" and datums
             gap = gap_to_behaviour(model, trained, datums, inputs, device) if checked else math.nan
-        metrics = train_step(
+        metrics = update_policy(
             trained, optimizer, datums, config, inputs.num_trajectories, device, inputs.zero_variance_groups
         )
         metrics = metrics if gap is None else replace(metrics, logprob_gap=gap)
@@ -127,7 +130,7 @@ def starting_state(inputs: StepInputs, device: str):
     for step in replays:
         # The same update as the first time (the settings it ran with), without the checks it passed then.
         datums = datums_from_table(read_table(step.datums, DATUMS))
-        train_step(trained, optimizer, datums, step.config, step.num_trajectories, device, step.zero_variance_groups)
+        update_policy(trained, optimizer, datums, step.config, step.num_trajectories, device, step.zero_variance_groups)
     return model, trained, optimizer
 
 

@@ -2,7 +2,7 @@
 fine-tune), the clipped loss on sampled tokens (or the negative log-likelihood), gradient
 accumulation over micro-batches, data parallel over torch.distributed, checkpoints.
 
-`torchrun --nproc-per-node K -m jobs.train_step --inputs FILE` trains one step on K processes (gloo on CPU, NCCL on
+`torchrun --nproc-per-node K -m jobs.update_policy --inputs FILE` trains one step on K processes (gloo on CPU, NCCL on
 GPU) under torch's data parallelism, DDP or FSDP2 (see parallel.py): each process takes every K-th micro-batch, and
 the gradients are summed before the optimizer step.
 """
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from retool.config.trainer import TrainerConfig, resolved_autocast, resolved_dtype
+from retool.config.trainer import TrainerConfig
 from retool.rollout.datums import Datum
 from retool.training import parallel
 from retool.training.checkpoints import restore_rng
@@ -49,7 +49,8 @@ def load_model(base_model: Path, previous: Path | None, config: TrainerConfig, d
     `on`: where they load, if not there (FSDP2 shards them from host memory)."""
     from transformers import AutoModelForCausalLM
 
-    dtype = getattr(torch, resolved_dtype(config.dtype, device, config.lora_rank))
+    config.check_resolved()
+    dtype = getattr(torch, config.dtype)
     policy = Checkpoint(previous).policy(base_model) if previous is not None else Policy(base_model)
     model = AutoModelForCausalLM.from_pretrained(str(policy.weights), dtype=dtype).to(on or device)
     return trainable(model, previous, config)
@@ -147,7 +148,7 @@ def policy_pass(
     for position, (batch, counted, last) in enumerate(parallel.share_of_micro_batches(batches)):
         tensors = _micro_batch_tensors(datums, batch, (weights if counted else None) or [0.0] * len(datums), device)
         mask = tensors["loss_mask"]
-        in_bfloat16 = resolved_autocast(config.autocast_bfloat16, device) == "true"
+        in_bfloat16 = config.autocast_bfloat16 == "true"
         # Under FSDP2 autocast must not cache its bfloat16 casts: they would keep every gathered layer alive.
         autocast = torch.autocast(
             torch.device(device).type, torch.bfloat16, enabled=in_bfloat16, cache_enabled=not parallel.sharded(model)
@@ -250,7 +251,7 @@ def _update(
     return seen, grad_norm
 
 
-def train_step(
+def update_policy(
     model,
     optimizer,
     datums: list[Datum],

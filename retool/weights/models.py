@@ -135,6 +135,14 @@ def rl_base(cold_start: Path | None, model: str) -> Path:
     return Checkpoint(cold_start).model if cold_start is not None else resolve_model(model)
 
 
+def behaviour_policy(sampled_by: int, step: int, behaviour: Path | None, base: Path) -> Path | None:
+    """The policy that sampled training step `step` (RL step `sampled_by`) if older than the checkpoint it trains
+    from ([rollout] max_staleness): the older step's checkpoint `behaviour`, or `base`; None: on-policy."""
+    if sampled_by == step - 1:
+        return None
+    return behaviour if sampled_by >= 0 else base
+
+
 def policy_of(checkpoint: Path | None, cold_start: Path | None, model: str) -> Policy | None:
     """The policy of a checkpoint folder of a run (None: the model setting itself), its adapter over `rl_base`."""
     return Checkpoint(checkpoint).policy(rl_base(cold_start, model)) if checkpoint is not None else None
