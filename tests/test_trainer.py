@@ -220,7 +220,7 @@ def test_two_processes_give_the_same_parameters_as_one(tiny_model_dir, tmp_path,
     write_table_atomically(table_from_rows(rows, DATUMS), tmp_path / "datums.parquet")
     assert len(datums) % 2  # one datum per micro-batch: one process has one fewer and repeats one at zero weight
     config = replace(CONFIG, micro_batch_items=1, lora_rank=lora_rank, data_parallel=data_parallel)
-    worker = ["-m", "jobs.update_policy", "--inputs"]
+    worker = ["-m", "retool.training.worker", "--inputs"]
     torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517"]
     for name, command in (("one", worker), ("two", [*torchrun, *worker])):
         for step, previous in ((0, None), (1, tmp_path / f"{name}0")):

@@ -2,9 +2,9 @@
 fine-tune), the clipped loss on sampled tokens (or the negative log-likelihood), gradient
 accumulation over micro-batches, data parallel over torch.distributed, checkpoints.
 
-`torchrun --nproc-per-node K -m jobs.update_policy --inputs FILE` trains one step on K processes (gloo on CPU, NCCL on
-GPU) under torch's data parallelism, DDP or FSDP2 (see parallel.py): each process takes every K-th micro-batch, and
-the gradients are summed before the optimizer step.
+`torchrun --nproc-per-node K -m retool.training.worker --inputs FILE` trains one step on K processes (gloo on CPU,
+NCCL on GPU) under torch's data parallelism, DDP or FSDP2 (see parallel.py): each process takes every K-th
+micro-batch, and the gradients are summed before the optimizer step.
 """
 
 from __future__ import annotations
