@@ -16,7 +16,6 @@ from retool.files.layout import RunFolder
 from retool.files.tables import TRAJECTORIES, read_table
 from retool.rollout.scoring import trained_groups
 from retool.run.shared import sandbox_for
-from retool.training.group import stays_resident, train_placed
 from retool.training.record import describe_metrics
 from retool.weights.models import behaviour_policy, rl_base
 
@@ -29,7 +28,7 @@ def train_step(
     `cold_start`, or the model setting); `behaviour`: the older step's that sampled it ([rollout] max_staleness);
     `observations` (every round's) and `timings` (the stages' wall times): for the metrics."""
     from retool.training.checkpoints import prune_checkpoints  # torch: only once a step trains
-    from retool.training.resume import StepInputs
+    from retool.training.resume import StepInputs, stays_resident, train_placed
 
     settings, run = stage.settings, stage.settings.run
     # A trainer that stays between steps may skip a full save: its held state makes one at the command's end.
