@@ -11,6 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from retool.config.rollout import seed_field
+from retool.config.sandbox import SandboxConfig
 from retool.config.settings import RunSettings
 from retool.protocol.tool_calls import tool_call_text
 from retool.run.shared import protocol_for, step_examples
@@ -111,7 +112,7 @@ class PrintingSandbox:
         return ExecutionResult("ok", " ".join(str(i) for i in range(count)) + "\n", "", 0.0, 0)
 
     def observation(self, result: ExecutionResult) -> str:
-        return observation_text(result)
+        return observation_text(result, SandboxConfig())
 
     def prewarm(self) -> None:
         pass

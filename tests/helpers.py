@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from retool.config.rollout import seed_field
+from retool.config.sandbox import SandboxConfig
 from retool.protocol.chat import ChatProtocol
 from retool.protocol.tool_calls import tool_call_text as protocol_tool_call_text
 from retool.sandbox.call import ExecutionResult, observation_text
@@ -46,7 +47,7 @@ class InstantSandbox:
         return results
 
     def observation(self, result: ExecutionResult) -> str:
-        return observation_text(result)  # the sandbox's own rule
+        return observation_text(result, SandboxConfig())  # the sandbox's own rule, as configured by default
 
 
 def turn_of(request) -> int:

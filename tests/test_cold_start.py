@@ -64,9 +64,7 @@ def test_an_sft_sequence_is_what_a_rollout_with_the_same_turns_produces(conversa
 
             def script(request, index, turns=conversation.turns):
                 turn = turns[seed_field(request.seed, "turn")]
-                tokens = protocol.encode(assistant_text(turn, protocol.tool_format)) + (
-                    [protocol.end_of_turn_token] if turn.code is None else []
-                )
+                tokens = protocol.encode(assistant_text(turn, protocol.tool_format)) + [protocol.end_of_turn_token]
                 return tokens, [0.0] * len(tokens)
 
             example = replay_conversation(conversation, protocol, CONFIG).example

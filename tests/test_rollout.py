@@ -197,7 +197,7 @@ def test_edge_2_prompt_over_budget_still_yields_the_group(hermes):
     assert all(t.turns == [] and t.reward == -1.0 and t.advantage == 0.0 for t in over)
 
 
-def test_edge_3_exactly_filled_budget_keeps_the_last_text(hermes):
+def test_edge_3_exactly_filled_budget_scores_an_empty_final_text(hermes):
     # A budget so tight that after one observation no token can be generated.
     probe = start_trajectories(EXAMPLES[:1], hermes, CONFIG)[0]
     call = tool_call_text("print(1)", "hermes")
@@ -208,7 +208,7 @@ def test_edge_3_exactly_filled_budget_keeps_the_last_text(hermes):
     sampler = ScriptedSampler(scripted(hermes, lambda q, g, t: call if t == 0 else "\\boxed{4}"))
     trajectory = run(hermes, sampler, config, examples=EXAMPLES[:1], sandbox=InstantSandbox())[0]
     assert trajectory.stop_reason == "token_budget"
-    assert trajectory.final_text == call.strip()
+    assert trajectory.final_text == "" and trajectory.reward == -1.0  # the seed's: it never answered
     assert len(trajectory.turns) == 1 and trajectory.code_calls == 1
 
 
@@ -315,7 +315,7 @@ def test_stop_reasons_and_code_calls(hermes):
     by_branch = {t.group_index: t for t in trajectories if t.question_index == 0}
     assert [by_branch[g].code_calls for g in range(4)] == [0, 1, 2, 2]
     assert [by_branch[g].stop_reason for g in range(4)] == ["answer", "answer", "answer", "max_code_calls"]
-    assert by_branch[1].turns[0].tool_call.content == "ran: print(0 + 0)"
+    assert by_branch[1].turns[0].tool_call.content == "ran: print(0 + 0)\n"
     assert by_branch[1].turns[0].tool_call.call_id == "code-0-1-1"
 
 
@@ -323,11 +323,11 @@ def test_real_sandbox_observation_reaches_the_next_prompt(hermes):
     from retool.sandbox.call import Sandbox
 
     sampler = ScriptedSampler(
-        scripted(hermes, lambda q, g, t: tool_call_text("x = 6 * 7\nx", "hermes") if t == 0 else "\\boxed{42}")
+        scripted(hermes, lambda q, g, t: tool_call_text("x = 6 * 7\nprint(x)", "hermes") if t == 0 else "\\boxed{42}")
     )
     trajectory = run(hermes, sampler, examples=EXAMPLES[:1], sandbox=Sandbox())[0]
-    assert trajectory.turns[0].tool_call.status == "ok" and trajectory.turns[0].tool_call.content == "42"
-    assert "<tool_response>\n42\n</tool_response>" in hermes.tokenizer.decode(trajectory.turns[1].prompt_tokens)
+    assert trajectory.turns[0].tool_call.status == "ok" and trajectory.turns[0].tool_call.content == "42\n"
+    assert "<tool_response>\n42\n\n</tool_response>" in hermes.tokenizer.decode(trajectory.turns[1].prompt_tokens)
 
 
 def test_requests_map_back_to_their_branches(hermes):

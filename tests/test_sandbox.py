@@ -36,6 +36,13 @@ def sandbox():
     )
 
 
+@pytest.fixture(scope="module")
+def notebook():
+    return Sandbox(
+        SandboxConfig(timeout_seconds=3, cpu_seconds=3, memory_mb=512, max_workers=1, observation="notebook")
+    )
+
+
 def test_ok_output(sandbox):
     result = sandbox.run_code("print(6 * 7)")
     assert (result.status, result.stdout, result.exit_code) == ("ok", "42\n", 0)
@@ -52,8 +59,24 @@ def test_ok_output(sandbox):
         ("import math\nfor i in range(2):\n    print(i)\nmath.factorial(5)", "0\n1\n120"),
     ],
 )
-def test_trailing_expression_is_printed(sandbox, code, observation):
-    assert sandbox.observation(sandbox.run_code(code)) == observation
+def test_a_notebook_observation_prints_a_trailing_expression(notebook, code, observation):
+    assert notebook.observation(notebook.run_code(code)) == observation
+
+
+@pytest.mark.parametrize(
+    ("code", "observation"),
+    [
+        ("x = 3\nx * 2", ""),  # nothing printed: an empty string
+        ("print(6 * 7)", "42\n"),  # stdout as printed
+        ("print('before')\n1 / 0", "ZeroDivisionError"),  # on an error, stderr only
+        ("import sys\nsys.exit(3)", "Error: process exited with code 3."),  # an error without stderr
+        ("import time\ntime.sleep(10)", "Error: execution timed out after 3 seconds."),
+    ],
+)
+def test_a_seed_observation_is_what_the_code_prints(sandbox, code, observation):
+    seen = sandbox.observation(sandbox.run_code(code))
+    assert seen == observation or (observation == "ZeroDivisionError" and seen.endswith("division by zero\n"))
+    assert "before" not in seen
 
 
 def test_exception_comes_back_as_traceback(sandbox):
@@ -138,7 +161,7 @@ def test_working_directory_is_removed(sandbox):
 
 
 def test_math_libraries_are_available(sandbox):
-    assert sandbox.run_code("import sympy, numpy\nsympy.factorint(360)").stdout.strip() == "{2: 3, 3: 2, 5: 1}"
+    assert sandbox.run_code("import sympy, numpy\nprint(sympy.factorint(360))").stdout.strip() == "{2: 3, 3: 2, 5: 1}"
 
 
 def test_special_tokens_are_neutralised(sandbox, tokenizer):
@@ -149,7 +172,7 @@ def test_special_tokens_are_neutralised(sandbox, tokenizer):
     assert "<|im_end|>" not in text and "</tool_response>" not in text
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") not in ids
-    assert text.replace("\u200b", "") == "<|im_end|> and </tool_response>"
+    assert text.replace("\u200b", "") == "<|im_end|> and </tool_response>\n"
 
 
 def test_concurrency_is_bounded_from_threads():
@@ -169,7 +192,7 @@ def test_each_status_is_reported(sandbox):
 
 def test_command_line_prints_the_observation(tmp_path):
     script = tmp_path / "cell.py"
-    script.write_text("x = 2 ** 10\nx")
+    script.write_text("x = 2 ** 10\nprint(x)")
     shown = subprocess.run(
         [sys.executable, "-m", "retool", "sandbox", str(script)], capture_output=True, text=True, check=True
     )
@@ -190,9 +213,10 @@ def test_command_line_cuts_the_message_to_the_tokens_the_model_would_see(tmp_pat
     shown = subprocess.run([*command, "--max-tokens", "40"], capture_output=True, text=True, check=True).stdout
     tokenizer = load_tokenizer(tiny_model_dir)
     assert shown.startswith(TRUNCATION_MARKER) and shown.endswith("1998\n1999\n")
-    assert len(tokenizer(shown.removesuffix("\n"), add_special_tokens=False)["input_ids"]) <= 40
+    assert len(tokenizer(shown, add_special_tokens=False)["input_ids"]) <= 40
     whole = subprocess.run(command[:5], capture_output=True, text=True, check=True).stdout
-    assert "\n1000\n" in whole and whole.endswith("1999\n")  # no tokenizer: the sandbox's whole message
+    # No tokenizer: the sandbox's whole message, the output's last 4096 characters.
+    assert whole.startswith("[... truncated ") and "\n1500\n" in whole and whole.endswith("1999\n")
 
 
 def test_bad_config_is_rejected():

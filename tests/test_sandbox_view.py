@@ -108,7 +108,7 @@ except OSError as error:
     assert (report["notes"], report["scratch"], report["numpy"]) == ("kept", "private", 10)
     assert report["sympy"] == "{2: 3, 3: 2, 5: 1}" and report["cwd"].startswith("/tmp/retool-sandbox-")
     assert report["write_outside"] in ("PermissionError", "OSError")
-    assert sandbox.run_code("6 * 7").stdout == "42\n"  # a trailing expression is printed
+    assert sandbox.run_code("print(6 * 7)").stdout == "42\n"
 
 
 @needs_view

@@ -10,13 +10,14 @@ from dataclasses import asdict
 from pathlib import Path
 
 from retool.config.rollout import RolloutConfig
-from retool.config.sandbox import SandboxConfig
+from retool.config.sandbox import OBSERVATIONS, SandboxConfig
 from retool.protocol.tool_calls import PROTOCOL_TAGS, neutralise
 from retool.sandbox.call import Sandbox
 
-DESCRIPTION = """Run a Python file in the sandbox and print the tool message the model would see: stdout, then
-stderr, with the model's special tokens neutralised and, with --tokenizer, cut to its last --max-tokens
-tokens as the rollout cuts it. Exits 0 when the code ran without error, 1 otherwise."""
+DESCRIPTION = """Run a Python file in the sandbox and print the tool message the model would see (in the
+--observation format: by default what the code prints, or on an error its stderr), with the model's special tokens
+neutralised and, with --tokenizer, cut to its last --max-tokens tokens as the rollout cuts it. Exits 0 when the code
+ran without error, 1 otherwise."""
 
 
 def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -27,6 +28,12 @@ def parse_arguments(argv: Sequence[str] | None) -> argparse.Namespace:
         "--timeout", type=float, default=SandboxConfig.timeout_seconds, help="wall-clock limit in seconds"
     )
     parser.add_argument("--memory-mb", type=int, default=SandboxConfig.memory_mb, help="address-space limit in MB")
+    parser.add_argument(
+        "--observation",
+        choices=OBSERVATIONS,
+        default=SandboxConfig.observation,
+        help="the format of the tool message ([sandbox] observation, %(default)s)",
+    )
     parser.add_argument(
         "--tokenizer",
         help="model folder (or 'default') whose tokenizer counts the message and whose special tokens are "
@@ -62,12 +69,15 @@ def model_view(text: str, tokenizer: str | None, max_tokens: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_arguments(argv)
-    sandbox = Sandbox(SandboxConfig(timeout_seconds=args.timeout, memory_mb=args.memory_mb))
+    sandbox = Sandbox(
+        SandboxConfig(timeout_seconds=args.timeout, memory_mb=args.memory_mb, observation=args.observation)
+    )
     result = sandbox.run_code(args.file.read_text(encoding="utf-8"))
     if args.json:
         print(json.dumps(asdict(result), ensure_ascii=False, indent=2))
     else:
-        print(model_view(sandbox.observation(result), args.tokenizer, args.max_tokens))
+        shown = model_view(sandbox.observation(result), args.tokenizer, args.max_tokens)
+        print(shown, end="" if shown.endswith("\n") else "\n")
     return 0 if result.status == "ok" else 1
 
 

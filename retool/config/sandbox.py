@@ -10,6 +10,8 @@ from typing import ClassVar
 
 from retool.config.checks import require
 
+OBSERVATIONS = ("seed", "notebook")  # [sandbox] observation: the formats of what a call reads back
+
 
 @dataclass(frozen=True)
 class SandboxConfig:
@@ -27,8 +29,13 @@ class SandboxConfig:
     # Comma-separated paths the code may read beside the interpreter and the system libraries (a data set
     # meant for the tool, say); everything else of the machine is absent from its view.
     extra_ro_paths: str = ""
+    # What the model reads back from a call: seed (what the code prints, "" when nothing; on an error its stderr, or
+    # "Error: process exited with code N." when there is none; a timeout as one line; the last 4096 characters) |
+    # notebook (a trailing expression's value printed too, as a notebook cell does; stdout, then stderr; "(no output)")
+    observation: str = "seed"
 
     def __post_init__(self) -> None:
+        require(self, "observation", self.observation in OBSERVATIONS, f"one of {', '.join(OBSERVATIONS)}")
         for name in ("timeout_seconds", "file_mb", "output_tail_bytes", "max_workers", "max_processes"):
             require(self, name, getattr(self, name) > 0, "positive")
         for name in ("cpu_seconds", "memory_mb"):

@@ -50,6 +50,9 @@ class ModelConfig:
     enable_thinking: bool = False  # passed to the template (Qwen3 family); the seed's recipe runs without thinking
     chat_template_kwargs: str = "{}"  # JSON object of further keyword arguments for every render of the template
     system_prompt: str = ""  # the system message of a run with the tool; "" = retool.protocol.chat.SYSTEM_PROMPT
+    # Sampling ends a turn at </tool_call> (its closing then joins the observation) rather than at the end-of-turn
+    # token the model samples after a call too (false: the seed's)
+    stop_at_tool_call: bool = False
 
     def __post_init__(self) -> None:
         try:

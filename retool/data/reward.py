@@ -1,14 +1,15 @@
-"""Outcome reward: +1 when the last \\boxed{} in the final text equals the reference answer, else -1."""
+"""Outcome reward: +1 when the last \\boxed{} in the final text equals the reference answer, else -1. The seed's rule
+(docs/layout.md, "Departures from the seed"): the last `\\boxed{` decides, and equivalence is math_verify's."""
 
 from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import re
 import threading
 from dataclasses import dataclass
 
 from math_verify import parse, verify
-from math_verify.parser import LatexExtractionConfig
 
 TAIL_CHARACTERS = 300  # only the end of the text can hold the final answer
 VERIFY_TIMEOUT_SECONDS = 5
@@ -22,29 +23,30 @@ class Score:
     extracted_answer: str | None  # the content of the last \boxed{}, if any
 
 
+BOXED = "\\boxed{"
+
+
 def last_boxed(text: str) -> str | None:
-    """Content of the last balanced \\boxed{...} (or \\fbox{...}) in `text`, or None."""
-    for marker in ("\\boxed{", "\\fbox{"):
-        start = text.rfind(marker)
-        while start != -1:
-            depth, position = 1, start + len(marker)
-            while position < len(text) and depth:
-                depth += {"{": 1, "}": -1}.get(text[position], 0)
-                position += 1
-            if depth == 0:
-                return text[start + len(marker) : position - 1].strip()
-            start = text.rfind(marker, 0, start)  # unbalanced: try the one before
-    return None
+    """Content of the last `\\boxed{` in `text`, up to its balancing brace; None without one, or when that last one is
+    never closed (an earlier box does not stand in for it)."""
+    start = text.rfind(BOXED)
+    if start == -1:
+        return None
+    depth, position = 1, start + len(BOXED)
+    while position < len(text) and depth:
+        depth += {"{": 1, "}": -1}.get(text[position], 0)
+        position += 1
+    return text[start + len(BOXED) : position - 1].strip() if depth == 0 else None
 
 
-def _normalise(answer: str) -> str:
-    return answer.replace(" ", "").replace("$", "").rstrip(".").lstrip("+")
+_INTEGER = re.compile(r"-?[0-9]+")  # an integer math_verify reads as itself
 
 
 def _equivalent(extracted: str, reference: str, timeout: int | None) -> bool:
-    gold = parse(f"${reference}$", [LatexExtractionConfig()], parsing_timeout=timeout)
-    guess = parse(f"${extracted}$", [LatexExtractionConfig()], parsing_timeout=timeout)
-    return bool(gold and guess and verify(gold, guess, timeout_seconds=timeout))
+    """math_verify's verdict, parsed with its default extraction (LaTeX and plain expressions), the gold first."""
+    gold = parse(f"${reference}$", parsing_timeout=timeout)
+    guess = parse(f"${extracted}$", parsing_timeout=timeout)
+    return bool(verify(gold, guess, timeout_seconds=timeout))
 
 
 # math_verify's own timeouts use SIGALRM, which only the main thread may set; elsewhere the
@@ -77,8 +79,11 @@ def _stop_helper() -> None:
 
 
 def answers_match(extracted: str, reference: str) -> bool:
-    if _normalise(extracted) == _normalise(reference):
-        return True  # the common case needs no symbolic comparison
+    """Whether math_verify finds the two equivalent. The one shortcut accepts only what it accepts: the same integer
+    written alike (the common case, with no symbolic comparison)."""
+    extracted, reference = extracted.strip(), reference.strip()
+    if extracted == reference and _INTEGER.fullmatch(extracted):
+        return True
     try:
         if threading.current_thread() is threading.main_thread():
             return _equivalent(extracted, reference, VERIFY_TIMEOUT_SECONDS)

@@ -63,6 +63,7 @@ class ChatProtocol:
         chat_template: str | Path | None = None,
         tools: bool = True,
         template_kwargs: dict | None = None,
+        stop_at_tool_call: bool = False,
     ):
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})  # e.g. enable_thinking, passed to every render
@@ -98,7 +99,11 @@ class ChatProtocol:
         closing = self.encode(self.closing_text)
         # The token a model emits to end an answer turn: the template's closing if special, else EOS.
         self.end_of_turn_token = closing[0] if closing and closing[0] in self.stop_token_ids else self.stop_token_ids[0]
-        self.stop_strings = ("</tool_call>",)  # a call is complete here; nothing may follow it
+        # A turn ends at the end-of-turn token, which the model samples after a call too (the seed's); or, with
+        # `stop_at_tool_call`, at </tool_call>, and the template's closing joins the observation (docs/layout.md,
+        # "Departures from the seed").
+        self.stop_at_tool_call = stop_at_tool_call
+        self.stop_strings = ("</tool_call>",) if stop_at_tool_call else ()
         self.forbidden_strings = tuple(sorted(set(special_token_strings(tokenizer)) | set(PROTOCOL_TAGS)))
 
     # -- rendering -------------------------------------------------------------------------------

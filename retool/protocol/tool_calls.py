@@ -17,8 +17,9 @@ CODE_INTERPRETER_TOOL = {
     "function": {
         "name": TOOL_NAME,
         "description": (
-            "Runs Python 3 code in a fresh process and returns what it prints (stdout, then stderr). "
-            "The value of a trailing expression is printed. sympy and numpy are available."
+            "Runs Python 3 code and returns what it prints with print(); on an error, the error message. "
+            "Each call starts in a fresh process: nothing carries over from earlier calls. sympy and numpy are "
+            "available."
         ),
         "parameters": {
             "type": "object",
@@ -40,13 +41,11 @@ PROTOCOL_TAGS = (
 )  # never let tool output fake them
 
 
-_XML_CALL = re.compile(r"^\s*<function=([^>\n]+)>\s*(.*?)\s*</function>\s*$", re.DOTALL)
-
-
-_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
-
-
-_CODE_FENCE = re.compile(r"^\s*```(?:python|py)?[ \t]*\n(.*?)\n?```\s*$", re.DOTALL)
+# The seed's pattern: the code is everything from the first <parameter=code> to the last </parameter> before
+# </function> (a second parameter is then part of the code, which fails to run, as in the seed).
+_XML_CALL = re.compile(
+    rf"^\s*<function={TOOL_NAME}>\s*<parameter=code>\s*(.*?)\s*</parameter>\s*</function>\s*$", re.DOTALL
+)
 
 
 @dataclass(frozen=True)
@@ -56,21 +55,11 @@ class ParsedAssistant:
     error: str | None = None  # why the turn is invalid, for kind == "invalid"
 
 
-def _strip_fence(code: str) -> str:
-    fenced = _CODE_FENCE.match(code)
-    return fenced.group(1) if fenced else code
-
-
 def _parse_xml_call(body: str) -> tuple[str | None, str]:
     call = _XML_CALL.match(body)
     if not call:
-        return None, "tool call is not <function=NAME>...</function>"
-    if call.group(1).strip() != TOOL_NAME:
-        return None, f"unknown function {call.group(1).strip()!r}"
-    parameters = _XML_PARAMETER.findall(call.group(2))
-    if [name.strip() for name, _ in parameters] != ["code"]:
-        return None, "tool call needs exactly one <parameter=code>"
-    return parameters[0][1], ""
+        return None, f"tool call is not <function={TOOL_NAME}><parameter=code>...</parameter></function>"
+    return call.group(1), ""
 
 
 def _parse_hermes_call(body: str) -> tuple[str | None, str]:
@@ -92,10 +81,11 @@ def _parse_hermes_call(body: str) -> tuple[str | None, str]:
 
 
 def parse_assistant(text: str, tool_format: str = "auto") -> ParsedAssistant:
-    """Classifies one assistant turn: exactly one well-formed call with nothing after it is a tool
-    call; no call at all is an answer; anything else is invalid."""
+    """Classifies one assistant turn as the seed does: exactly one well-formed call with nothing after it is a tool
+    call (its code stripped of surrounding whitespace, run as written); a turn without <tool_call> is an answer (a
+    stray </tool_call> included); anything else is invalid."""
     opens, closes = text.count("<tool_call>"), text.count("</tool_call>")
-    if opens == 0 and closes == 0:
+    if opens == 0:
         return ParsedAssistant("answer")
     if opens != 1 or closes > 1:
         return ParsedAssistant("invalid", error="exactly one tool call per turn is allowed")
@@ -111,10 +101,9 @@ def parse_assistant(text: str, tool_format: str = "auto") -> ParsedAssistant:
     code, error = _parse_xml_call(body) if fmt == "xml" else _parse_hermes_call(body)
     if code is None:
         return ParsedAssistant("invalid", error=error)
-    code = _strip_fence(code)
     if not code.strip():
         return ParsedAssistant("invalid", error="tool call has empty code")
-    return ParsedAssistant("tool", code=code)
+    return ParsedAssistant("tool", code=code.strip())
 
 
 def tool_call_text(code: str, tool_format: str, preamble: str = "") -> str:

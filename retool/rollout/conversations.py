@@ -37,18 +37,18 @@ def replay_conversation(conversation: Conversation, protocol: ChatProtocol, conf
     for turn in conversation.turns:
         requests = plan_requests([trajectory], protocol, config, step=0)
         tokens = protocol.encode(assistant_text(turn, protocol.tool_format))
-        if turn.code is None:
-            tokens.append(protocol.end_of_turn_token)  # an answer turn ends on the end-of-turn token
+        if turn.code is None or not protocol.stop_at_tool_call:
+            tokens.append(protocol.end_of_turn_token)  # the turn ends on the end-of-turn token, as the model ends it
         if not requests or len(tokens) > requests[0].max_tokens:
             return None
         sequence = SampledSequence(tuple(tokens), (0.0,) * len(tokens), "stop")
         pendings = apply_samples([trajectory], requests, [[sequence]], protocol, config)
         if turn.code is None or not pendings:
             break
-        result = ExecutionResult("ok", turn.output or "", "", 0.0, 0)
-        finish_advance(
-            pendings[0], result, neutralise(turn.output or "(no output)", protocol.forbidden_strings), protocol, config
-        )
+        # The recorded output is the observation the model read, as its sandbox wrote it ("" when nothing printed).
+        output = turn.output or ""
+        result = ExecutionResult("ok", output, "", 0.0, 0)
+        finish_advance(pendings[0], result, neutralise(output, protocol.forbidden_strings), protocol, config)
     fits = trajectory.stop_reason == "answer" and len(trajectory.turns) == len(conversation.turns)
     return trajectory if fits else None
 

@@ -88,11 +88,11 @@ class Trajectory:
     kept: bool = True  # its group trains this step (see keep_groups)
     masked: bool = False  # left out of the loss: stopped by a budget, with [reward] overlong = mask
 
-    def end(self, stop_reason: str, final_text: str | None = None) -> None:
-        """Ends the trajectory; without an explicit text the last assistant text is scored."""
+    def end(self, stop_reason: str, final_text: str) -> None:
+        """Ends the trajectory; `final_text` is what the reward reads."""
         assert stop_reason in STOP_REASONS, stop_reason
         self.done, self.stop_reason, self.next_prompt_tokens = True, stop_reason, None
-        self.final_text = final_text if final_text is not None else (self.turns[-1].text if self.turns else "")
+        self.final_text = final_text
 
     def valid_code_calls(self) -> int:
         """Code calls that ran without an error or a timeout."""
@@ -175,7 +175,9 @@ def make_request(
     max_tokens = turn_budget(first, protocol, config)
     if max_tokens <= 0:
         for trajectory in trajectories:
-            trajectory.end("prompt_over_budget" if not trajectory.turns else "token_budget")
+            # No answer turn fits after the last observation: the trajectory never answered, and its final text is
+            # empty (-1), as in the seed; a \boxed{} written before a call the model made anyway earns nothing.
+            trajectory.end("prompt_over_budget" if not trajectory.turns else "token_budget", "")
         return None
     turn = len(first.turns)
     return SampleRequest(

@@ -30,6 +30,7 @@ def protocol_for(model: ModelConfig) -> ChatProtocol:
         tools=model.use_tools,
         template_kwargs=model.template_kwargs(),
         system_prompt=(model.system_prompt or None) if model.use_tools else None,  # text-only: its own
+        stop_at_tool_call=model.stop_at_tool_call,
     )
 
 

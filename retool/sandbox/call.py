@@ -194,6 +194,7 @@ class Sandbox:
             "memory_bytes": config.memory_mb * 2**20,
             "file_bytes": config.file_mb * 2**20,
             "environment": child_environment(workdir),
+            "print_trailing_expression": config.observation == "notebook",
         }
 
     def _run_cold(self, settings_file: Path, workdir: str) -> int | None:
@@ -320,13 +321,29 @@ class Sandbox:
             self._zygote, self._zygote_address = None, None
 
     def observation(self, result: ExecutionResult) -> str:
-        return observation_text(result)
+        return observation_text(result, self.config)
 
 
-def observation_text(result: ExecutionResult) -> str:
-    """The text of one call's tool message, before the protocol neutralises its special tokens."""
-    parts = [part.rstrip("\n") for part in (result.stdout, result.stderr) if part.strip()]
-    return "\n".join(parts) if parts else "(no output)"
+SEED_OUTPUT_CHARACTERS = 4096  # [sandbox] observation = seed: the end of the output the model reads
+
+
+def observation_text(result: ExecutionResult, config: SandboxConfig) -> str:
+    """The text of one call's tool message, before the protocol neutralises its special tokens, in the format of
+    [sandbox] observation (docs/layout.md, "Departures from the seed")."""
+    if config.observation == "notebook":
+        parts = [part.rstrip("\n") for part in (result.stdout, result.stderr) if part.strip()]
+        return "\n".join(parts) if parts else "(no output)"
+    if result.status == "timeout":
+        return f"Error: execution timed out after {config.timeout_seconds:g} seconds."
+    if result.status == "ok":
+        return _last_characters(result.stdout)
+    if result.stderr:
+        return _last_characters(result.stderr)
+    return f"Error: process exited with code {result.exit_code}."
+
+
+def _last_characters(text: str, limit: int = SEED_OUTPUT_CHARACTERS) -> str:
+    return text if len(text) <= limit else f"[... truncated {len(text) - limit} chars ...]\n{text[-limit:]}"
 
 
 def _classify(exit_code: int | None, output_limited: bool, config: SandboxConfig) -> tuple[str, str]:

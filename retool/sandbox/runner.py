@@ -268,7 +268,8 @@ def run_cell(settings: dict) -> int:
         "<code>",
     )  # source lines in tracebacks
     try:
-        tree = with_trailing_print(ast.parse(source, filename="<code>"))
+        tree = ast.parse(source, filename="<code>")
+        tree = with_trailing_print(tree) if settings["print_trailing_expression"] else tree
     except SyntaxError as error:
         traceback.print_exception(type(error), error, None)
         return 1
