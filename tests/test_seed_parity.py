@@ -6,10 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from retool.config.rollout import RolloutConfig
 from retool.config.sandbox import SandboxConfig
 from retool.config.trainer import TrainerConfig
-from retool.data.examples import MathExample
 from retool.data.reward import score_answer
 from retool.protocol.chat import BUNDLED_TEMPLATE, ChatProtocol
 from retool.protocol.tool_calls import parse_assistant
@@ -20,17 +18,11 @@ from retool.rollout.state import Trajectory
 from retool.sampling.scripted import ScriptedSampler
 from retool.sandbox.call import ExecutionResult, observation_text
 from tests.helpers import InstantSandbox, scripted
+from tests.test_rollout import CONFIG as ROLLOUT_CONFIG
+from tests.test_rollout import EXAMPLES
 
-EXAMPLE = MathExample("q0", "What is 2+2?", "4", "t")
-CONFIG = RolloutConfig(
-    group_size=2,
-    max_code_calls=2,
-    max_assistant_turns=4,
-    max_trajectory_tokens=2048,
-    max_assistant_tokens=256,
-    max_tool_response_tokens=64,
-    trainer_max_tokens=4096,
-)
+EXAMPLE = EXAMPLES[0]
+CONFIG = replace(ROLLOUT_CONFIG, group_size=2)  # the state machine tests' budgets, a group of two
 
 
 @pytest.fixture(scope="module")
