@@ -17,7 +17,7 @@ from retool.protocol.tool_calls import tool_call_text
 from retool.run.shared import protocol_for, step_examples
 from retool.sampling.contract import SampleRequest
 from retool.sampling.scripted import ScriptedSampler
-from retool.sandbox.call import ExecutionResult, observation_text
+from retool.sandbox.observation import ExecutionResult, observation_text
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
-"""Input errors as one line, and a misspelt option answered with the closest real one. A bad setting, data
+"""Input errors and faults as one line, and a misspelt option answered with the closest real one. A bad setting, data
 file or run folder is found while the command builds its task, before anything is scheduled: Luigi reports
 it as an uncaught exception with a traceback, which this filter turns into the error's own message
-(RETOOL_DEBUG=1 keeps the traceback)."""
+(RETOOL_DEBUG=1 keeps the traceback). A task that meets a fault it cannot survive fails with one line too: a full
+disk (the file, and the space left), a sampling server gone or refusing (the server and its message), the trainer
+out of memory again after re-planning (the micro-batch and the memory plan); it is retried as any failed task."""
 
 from __future__ import annotations
 
@@ -15,15 +17,22 @@ import luigi.cmdline_parser
 from luigi.rpc import RPCError
 
 from pipeline.outcome import INPUT_ERRORS, note_input_error
+from retool.files.atomic import DiskFullError
+from retool.sampling.contract import SamplerFailure
+from retool.training.memory_plan import TrainerOutOfMemoryError
+
+FAULTS = (DiskFullError, SamplerFailure, TrainerOutOfMemoryError)  # not input errors: the exit code stays task_failed
 
 
-class InputErrorsAsOneLine(logging.Filter):
+class ErrorsAsOneLine(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
         if os.environ.get("RETOOL_DEBUG") or error is None:
             return True
         if isinstance(error, INPUT_ERRORS):
             note_input_error(error)
+            record.msg, record.args, record.exc_info, record.exc_text = str(error), (), None, None
+        elif isinstance(error, FAULTS):
             record.msg, record.args, record.exc_info, record.exc_text = str(error), (), None, None
         elif isinstance(error, RPCError):
             record.msg, record.args, record.exc_info, record.exc_text = unreachable(error), (), None, None
@@ -44,7 +53,7 @@ def unreachable(error: RPCError) -> str:
     )
 
 
-logging.getLogger("luigi-interface").addFilter(InputErrorsAsOneLine())
+logging.getLogger("luigi-interface").addFilter(ErrorsAsOneLine())
 
 
 class SuggestingParser(argparse.ArgumentParser):

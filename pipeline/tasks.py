@@ -26,6 +26,7 @@ from retool.evaluation.spec import EvalSpec, check_evaluated_checkpoint, evaluat
 from retool.evaluation.viewer import PageFiles
 from retool.files.layout import RoundPaths, RunFolder, StepFolder
 from retool.files.tables import parquet_seconds
+from retool.recoveries import added_since, recovery_counts
 from retool.run.setup import open_run
 from retool.run.shared import history_steps
 from retool.weights.checkpoint import Checkpoint
@@ -154,7 +155,7 @@ class RunTask(luigi.Task):
 
 @RunTask.event_handler(luigi.Event.START)
 def _note_start(task: RunTask) -> None:
-    task.parquet_seconds_at_start = parquet_seconds()
+    task.parquet_seconds_at_start, task.recoveries_at_start = parquet_seconds(), recovery_counts()
     note_start(task)
 
 
@@ -174,8 +175,9 @@ def _report_stage(task: RunTask, seconds: float) -> None:
     """One line per finished stage: what it wrote, how long it took, and where."""
     timings = task.folder.timings
     record_stage_seconds(
-        timings, task.task_id, task.task_family, seconds, parquet_seconds() - task.parquet_seconds_at_start
-    )
+        timings, task.task_id, task.task_family, seconds, parquet_seconds() - task.parquet_seconds_at_start,
+        added_since(task.recoveries_at_start),
+    )  # fmt: skip
     where = luigi.task.flatten(task.output())[0].path
     print(f"{task.label()}: {getattr(task, 'summary', '')}, {seconds:.1f} s -> {where}", flush=True)
 

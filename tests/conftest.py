@@ -46,6 +46,18 @@ def default_model_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def uninterrupted_run(tiny_model_dir, tmp_path_factory) -> dict:
+    """The result files (tests.test_faults.outputs) of tests/test_faults.py's run, a cold start and one RL step, run
+    without a fault: what the same run must end with after any fault."""
+    from tests.test_faults import outputs, run, write_config
+
+    runs = tmp_path_factory.mktemp("uninterrupted") / "runs"
+    done = run(write_config(runs.parent / "reference.cfg", runs, tiny_model_dir, "reference"), "luigi")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return outputs(runs / "reference")
+
+
+@pytest.fixture(scope="session")
 def tokenizer(default_model_dir):
     return load_tokenizer(default_model_dir)
 

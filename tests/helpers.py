@@ -12,7 +12,7 @@ from retool.config.rollout import seed_field
 from retool.config.sandbox import SandboxConfig
 from retool.protocol.chat import ChatProtocol
 from retool.protocol.tool_calls import tool_call_text as protocol_tool_call_text
-from retool.sandbox.call import ExecutionResult, observation_text
+from retool.sandbox.observation import ExecutionResult, observation_text
 
 REPO = Path(__file__).resolve().parent.parent  # the repository's root
 
@@ -95,11 +95,13 @@ def fake_vllm_server(served: dict) -> http.server.HTTPServer:
     return server
 
 
-def fake_completions_server(model: str, reply, requests: list) -> http.server.ThreadingHTTPServer:
+def fake_completions_server(
+    model: str, reply, requests: list, port: int = 0, posted: list | None = None
+) -> http.server.ThreadingHTTPServer:
     """An HTTP server in threads of this process that answers as vLLM's server does for `model`: /health and
     /v1/models, the calls a client makes around sampling (adapters, prefix cache, sleep), and /v1/completions with
     `reply(body, index)` -> the tokens of choice `index` (logprob -0.25 each). Each completion request's body is
-    appended to `requests`."""
+    appended to `requests`, and each POST's path and body to `posted`; `port`: 0 = any free one."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def answer(self, payload: dict) -> None:
@@ -114,6 +116,8 @@ def fake_completions_server(model: str, reply, requests: list) -> http.server.Th
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)) or b"{}")
+            if posted is not None:
+                posted.append((self.path, body))
             if self.path != "/v1/completions":
                 return self.answer({})
             requests.append(body)
@@ -127,6 +131,60 @@ def fake_completions_server(model: str, reply, requests: list) -> http.server.Th
         def log_message(self, *args):
             pass
 
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    server.daemon_threads, server.block_on_close = True, False
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def fault_proxy(target: str, fault_of, hang_seconds: float = 0.0) -> http.server.ThreadingHTTPServer:
+    """An HTTP proxy in threads of this process in front of the server at `target` that injects faults into its
+    completion calls: `fault_of(n)` for the n-th (from 0) says what happens to it: None (passed on), "500" or "400"
+    (answered so, with a message, by the proxy), "reset" (the connection reset, no answer) or "hang" (no answer for
+    `hang_seconds`, then the connection closed). Every other call is passed on."""
+    import socket
+    import struct
+    import time
+
+    import requests
+
+    counter = iter(range(10**9))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def forward(self, method: str) -> None:
+            body = self.rfile.read(int(self.headers.get("content-length") or 0)) if method == "POST" else None
+            if self.path == "/v1/completions":
+                fault = fault_of(next(counter))
+                if fault in ("500", "400"):
+                    return self.reply(int(fault), f"injected failure {fault}".encode(), "text/plain")
+                if fault == "reset":  # SO_LINGER 0: close() sends a reset
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    return self.connection.close()
+                if fault == "hang":
+                    time.sleep(hang_seconds)
+                    self.close_connection = True
+                    return None
+            answer = requests.request(method, f"{target}{self.path}", data=body, headers=dict(self.headers))
+            self.reply(answer.status_code, answer.content, answer.headers.get("content-type", "application/json"))
+
+        def reply(self, status: int, content: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("content-type", content_type)
+            self.send_header("content-length", str(len(content)))
+            self.end_headers()
+            self.wfile.write(content)
+
+        def do_GET(self):
+            self.forward("GET")
+
+        def do_POST(self):
+            self.forward("POST")
+
+        def log_message(self, *args):
+            pass
+
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads, server.block_on_close = True, False
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server

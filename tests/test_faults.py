@@ -73,6 +73,22 @@ def outputs(run_folder: Path) -> dict[str, object]:
     return found
 
 
+def assert_same_outputs(expected: dict, actual: dict, float_columns: tuple[str, ...] = (), tolerance: float = 0.0):
+    """Every table and weight of `expected` (see `outputs`) in `actual`, equal; `float_columns` (and the weights) to
+    `tolerance` where it is set: the arithmetic of a sampler that batched other calls with them, or not."""
+    assert expected.keys() == actual.keys()
+    for name, value in expected.items():
+        if isinstance(value, dict):  # weights
+            for key in value:
+                assert float((value[key] - actual[name][key]).abs().max()) <= tolerance, (name, key)
+            continue
+        floats = [column for column in float_columns if column in value.column_names]
+        assert value.drop_columns(floats).equals(actual[name].drop_columns(floats)), name
+        for column in floats:
+            ours, theirs = (t.column(column).combine_chunks().flatten().to_numpy() for t in (value, actual[name]))
+            assert len(ours) == len(theirs) and abs(ours - theirs).max(initial=0) <= tolerance, (name, column)
+
+
 def assert_nothing_half_written(run_folder: Path) -> None:
     for path in run_folder.rglob("*.parquet"):
         if not path.name.startswith("."):
@@ -89,14 +105,6 @@ def parent_of(pid: int) -> int:
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("PPid:")))
 
 
-def belongs_to_this_test_process(pid: int) -> bool:
-    while pid > 1:
-        if pid == os.getpid():
-            return True
-        pid = parent_of(pid)
-    return False
-
-
 def assert_no_process_left(killed: int) -> None:
     """The killed run's sandbox processes end with it (those of this test process may stay)."""
 
@@ -104,9 +112,9 @@ def assert_no_process_left(killed: int) -> None:
         found = []
         for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
             try:
-                if b"sandbox_forkserver" in cmdline.read_bytes() and not belongs_to_this_test_process(
-                    int(cmdline.parent.name)
-                ):
+                pid = int(cmdline.parent.name)
+                # a sandbox process whose command is gone (its parent now init), not one of this test process's
+                if b"retool/sandbox/forkserver.py" in cmdline.read_bytes() and parent_of(pid) == 1:
                     found.append(int(cmdline.parent.name))
             except OSError:
                 continue
@@ -118,11 +126,10 @@ def assert_no_process_left(killed: int) -> None:
         time.sleep(0.1)
 
 
-def test_a_run_killed_at_every_stage_finishes_with_the_rows_of_an_uninterrupted_run(tiny_model_dir, tmp_path):
+def test_a_run_killed_at_every_stage_finishes_with_the_rows_of_an_uninterrupted_run(
+    uninterrupted_run, tiny_model_dir, tmp_path
+):
     runs = tmp_path / "runs"
-    reference = run(write_config(tmp_path / "reference.cfg", runs, tiny_model_dir, "reference"), "luigi")
-    assert reference.returncode == 0, reference.stderr[-3000:]
-
     config, kill_points = (
         write_config(tmp_path / "faulty.cfg", runs, tiny_model_dir, "faulty"),
         tmp_path / "kill-points.txt",
@@ -162,12 +169,7 @@ def test_a_run_killed_at_every_stage_finishes_with_the_rows_of_an_uninterrupted_
     ):
         assert point in points, (point, points)
 
-    expected, actual = outputs(runs / "reference"), outputs(runs / "faulty")
-    assert expected.keys() == actual.keys()
-    for name, value in expected.items():
-        if isinstance(value, dict):
-            assert all(bool((value[k] == actual[name][k]).all()) for k in value), name
-        else:
-            assert value.equals(actual[name]), name
-    assert any("datums.parquet" in name for name in expected) and any("adapter" in name for name in expected)
-    assert "sft/checkpoint/model/model.safetensors" in expected
+    assert_same_outputs(uninterrupted_run, outputs(runs / "faulty"))
+    assert any("datums.parquet" in name for name in uninterrupted_run)
+    assert any("adapter" in name for name in uninterrupted_run)
+    assert "sft/checkpoint/model/model.safetensors" in uninterrupted_run

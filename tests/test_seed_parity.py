@@ -16,7 +16,7 @@ from retool.rollout.in_memory import rollout_in_memory
 from retool.rollout.scoring import assign_group_advantages
 from retool.rollout.state import Trajectory
 from retool.sampling.scripted import ScriptedSampler
-from retool.sandbox.call import ExecutionResult, observation_text
+from retool.sandbox.observation import ExecutionResult, observation_text
 from tests.helpers import InstantSandbox, scripted
 from tests.test_rollout import CONFIG as ROLLOUT_CONFIG
 from tests.test_rollout import EXAMPLES

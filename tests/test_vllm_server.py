@@ -18,7 +18,7 @@ import pytest
 import retool.sampling.progress
 from retool.config.settings import RunSettings
 from retool.files.layout import RunFolder
-from retool.sampling.contract import SampleRequest, SamplingSettings, sample_checked
+from retool.sampling.contract import SampleRequest, SamplerFailure, SamplingSettings, sample_checked
 from retool.sampling.server import start_server, stop_server
 from retool.sampling.server_client import ServerSampler
 from retool.weights.checkpoint import Checkpoint
@@ -78,20 +78,19 @@ def test_the_server_gives_the_in_process_engines_replies(server, tiny_model_dir,
 def test_a_server_gone_mid_round_is_retried_then_named_in_one_error():
     fake = fake_vllm_server({"model": "model"})  # answers what a client asks at start; then it is gone
     url = f"http://127.0.0.1:{fake.server_address[1]}"
-    sampler = ServerSampler(url, "cpu", request_timeout_seconds=5)
+    sampler = ServerSampler(url, "cpu", request_timeout_seconds=5, attempts=2, backoff_seconds=0.1)
     fake.shutdown()
     fake.server_close()
-    with pytest.raises(RuntimeError, match=f"failed 2 times.*vLLM server {url}: POST /v1/completions failed"):
-        sample_checked(sampler, requests(), SamplingSettings(), attempts=2, backoff_seconds=0.1)
+    with pytest.raises(SamplerFailure, match=rf"vLLM server {url}: POST /v1/completions failed .*\(after 2 tries\)$"):
+        sample_checked(sampler, requests(), SamplingSettings())
 
 
 def test_a_round_whose_server_went_away_fails_then_finishes_when_run_again(configure, server, monkeypatch):
     from pipeline import ScoreTrajectories
 
     fake = fake_vllm_server({"model": "model"})  # answers what a client asks at start; then it is gone
-    settings = configure(
-        "gone", sampler={"engine": "vllm-server", "servers": f"http://127.0.0.1:{fake.server_address[1]}"}
-    )
+    listed = f"http://127.0.0.1:{fake.server_address[1]}"
+    settings = configure("gone", sampler={"engine": "vllm-server", "servers": listed, "server_wait_seconds": 1})
     real_init = ServerSampler.__init__
 
     def connect_then_lose_the_server(self, *args, **kwargs):

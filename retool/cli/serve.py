@@ -1,7 +1,7 @@
 """`python -m retool serve`: starts vLLM's OpenAI-compatible servers for a run's model ([sampler] engines of them,
 each on its own [sampler] tensor_parallel_size GPUs) and waits. Every command of that run with [sampler] engine =
 vllm-server samples through them, shard s on server s mod engines. Ctrl-C or SIGTERM stops them (vLLM's processes
-too) and removes their record; so does one of them exiting."""
+too) and removes their record; one that dies is started again."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ import signal
 import time
 
 from retool.config.files import config_files, settings_from_files
+from retool.config.sampler import engine_gpus
 from retool.config.settings import SettingsError
 from retool.files.layout import RunFolder
 from retool.run.setup import cpu_server_limit
-from retool.sampling.server import start_servers, stop_server, write_record
+from retool.sampling.server import server_log, start_server, start_servers, stop_server, write_record
 
 
 class Stopped(Exception):
@@ -55,11 +56,20 @@ def main() -> None:
         write_record(settings, [(url, process.pid) for process, url in started], "user")
         urls = ", ".join(url for _, url in started)
         print(f"serving at {urls}; recorded in {folder.server_record}. Ctrl-C stops them.", flush=True)
-        while all(process.poll() is None for process, _ in started):
+        while True:  # a server that dies (the OOM killer, a driver fault) is started again on its port
+            for index, (process, url) in enumerate(started):
+                if process.poll() is not None:
+                    log = server_log(settings, folder.server_log, index)
+                    print(
+                        f"the vLLM server at {url} exited ({process.returncode}); starting it again (log: {log})",
+                        flush=True,
+                    )
+                    stop_server(process)  # what is left of its process group
+                    gpus = engine_gpus(settings.sampler, index) if settings.run.device == "cuda" else ""
+                    started[index] = (start_server(settings, port + index, log, gpus)[0], url)
+                    write_record(settings, [(each, server.pid) for server, each in started], "user")
+                    print(f"serving at {url} again", flush=True)
             time.sleep(1.0)
-        for process, url in started:
-            if process.poll() is not None:
-                print(f"the vLLM server at {url} exited with code {process.returncode}; see the logs", flush=True)
     except SettingsError as error:
         parser.exit(2, f"python -m retool serve: {error}\n")
     except Stopped as signal_name:

@@ -31,12 +31,18 @@ class SamplerConfig:
     start_server: bool = True  # vllm-server: start one when none answers (stopped when the command ends)
     server_port: int = 8300  # vllm-server: the port of a server started by `python -m retool serve` or a command
     request_timeout_seconds: float = 600.0  # vllm-server: a call that takes longer fails (and is retried)
+    # vllm-server: the tries of a call that fails for a cause that may pass (an HTTP 5xx, a lost connection, a
+    # timeout), 1, 2, 4, ... s apart; a server found dead is started again (this command's) or waited for
+    request_attempts: int = 4
+    server_wait_seconds: float = 300.0  # vllm-server: how long a dead server another command started is waited for
 
     def __post_init__(self) -> None:
         scripted = self.engine.startswith("scripted:") and self.engine.count(":") == 2
         require(self, "engine", self.engine in ENGINES or scripted, f"{', '.join(ENGINES)} or scripted:MODULE:FUNCTION")
         require(self, "dtype", self.dtype in ("auto", "float32", "bfloat16"), "auto, float32 or bfloat16")
         require(self, "request_timeout_seconds", self.request_timeout_seconds > 0, "positive")
+        require(self, "request_attempts", self.request_attempts >= 1, "at least 1")
+        require(self, "server_wait_seconds", self.server_wait_seconds >= 0, "0 or more")
         require(self, "gpu_memory_utilization", 0 < self.gpu_memory_utilization <= 1, "in (0, 1]")
         for name in ("engines", "tensor_parallel_size"):
             require(self, name, getattr(self, name) > 0, "positive")

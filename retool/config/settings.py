@@ -169,6 +169,8 @@ OPERATIONAL = {
         "start_server",
         "server_port",
         "request_timeout_seconds",
+        "request_attempts",
+        "server_wait_seconds",
     ),
 }
 # [sampler] engine may differ too between engines that give the same tokens for the same seeds: vLLM in this

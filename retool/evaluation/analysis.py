@@ -19,10 +19,11 @@ def _empty(**schema) -> pl.DataFrame:
 
 def metrics_by_step(run: str | Path) -> pl.DataFrame:
     """One row per training step: the columns of step=NNNN/metrics.parquet."""
-    scan = _scan(RunFolder(Path(run)).step_files(METRICS_FILE))
-    if scan is None:
+    paths = RunFolder(Path(run)).step_files(METRICS_FILE)
+    if not paths:
         return _empty(step=pl.Int64)
-    metrics = scan.collect().sort("step")
+    # One row a step; steps written before a column was added lack it (null there).
+    metrics = pl.concat([pl.read_parquet(path) for path in paths], how="diagonal_relaxed").sort("step")
     old_name = {"degenerate_group_rate": "zero_variance_group_rate"}  # in the metrics of runs made before it changed
     return metrics.rename({k: v for k, v in old_name.items() if k in metrics.columns})
 

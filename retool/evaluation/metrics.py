@@ -14,6 +14,7 @@ import pyarrow as pa
 
 from retool.files.atomic import write_text_atomically
 from retool.files.tables import OBSERVATIONS, TRAJECTORIES, read_table, write_table_atomically
+from retool.recoveries import CAUSES
 from retool.rollout.scoring import zero_variance_groups
 from retool.rollout.state import STOP_REASONS
 from retool.training.record import StepMetrics
@@ -24,10 +25,14 @@ ROLLOUT_STAGES = ("Prompts", "SampleRound", "ExecuteRound", "ScoreTrajectories",
 TRAINING_STAGE = "TrainStep"
 
 
-def record_stage_seconds(timings: Path, task_id: str, stage: str, seconds: float, parquet_seconds: float) -> None:
-    """Wall time of one finished task's run(), the part of it spent reading and writing Parquet, and when it ended
-    (Unix time: which stages overlapped), as one file in the step's folder of timings."""
+def record_stage_seconds(
+    timings: Path, task_id: str, stage: str, seconds: float, parquet_seconds: float, recovered: dict[str, int]
+) -> None:
+    """Wall time of one finished task's run(), the part of it spent reading and writing Parquet, when it ended
+    (Unix time: which stages overlapped) and the faults it survived by cause (retool.recoveries), as one file in
+    the step's folder of timings."""
     entry = {"stage": stage, "seconds": seconds, "parquet_seconds": parquet_seconds, "ended": time.time()}
+    entry |= {"recovered": recovered} if recovered else {}
     write_text_atomically(timings / f"{task_id}.json", json.dumps(entry))
 
 
@@ -40,6 +45,14 @@ def stage_seconds(timings: Path) -> dict[str, float]:
     for entry in stage_timings(timings):
         totals[entry["stage"]] += entry["seconds"]
     return dict(totals)
+
+
+def stage_recoveries(timings: Path) -> dict[str, int]:
+    """The step's `retries_<cause>` columns: the faults its stages survived, summed over their tasks."""
+    totals = Counter({cause: 0 for cause in CAUSES})
+    for entry in stage_timings(timings):
+        totals.update(entry.get("recovered", {}))
+    return {f"retries_{cause}": count for cause, count in totals.items()}
 
 
 def _mean(values: list[float]) -> float:
@@ -68,7 +81,7 @@ def write_step_metrics(
         training,
         {**{stage: seconds.get(stage, 0.0) for stage in ROLLOUT_STAGES}, TRAINING_STAGE: training.seconds},
     )
-    row.update(extra)
+    row.update(stage_recoveries(timings) | extra)
     write_table_atomically(pa.Table.from_pylist([row]), out)
     return row
 

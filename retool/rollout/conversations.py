@@ -21,7 +21,7 @@ from retool.protocol.tool_calls import neutralise, tool_call_text
 from retool.rollout.datums import build_datum, trajectory_sequence
 from retool.rollout.state import Trajectory, apply_samples, finish_advance, plan_requests, start_trajectories
 from retool.sampling.contract import SampledSequence
-from retool.sandbox.call import ExecutionResult
+from retool.sandbox.observation import ExecutionResult
 
 
 def assistant_text(turn: SolutionTurn, tool_format: str) -> str:

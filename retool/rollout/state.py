@@ -24,7 +24,8 @@ from retool.data.reward import last_boxed
 from retool.protocol.chat import ChatProtocol
 from retool.protocol.tool_calls import neutralise, parse_assistant
 from retool.sampling.contract import SampledSequence, SampleRequest, SamplingSettings
-from retool.sandbox.call import ExecutionResult, Sandbox
+from retool.sandbox.call import Sandbox
+from retool.sandbox.observation import ExecutionResult
 
 STOP_REASONS = (
     "answer",

@@ -75,6 +75,11 @@ class SamplerContractError(ValueError):
     """A sampler reply breaks the contract; retrying will not help."""
 
 
+class SamplerFailure(RuntimeError):
+    """A sampler failed for good: its own retries are spent, or the cause is not one that passes (an HTTP 4xx, a
+    server gone); the message says which, and it is not retried again."""
+
+
 def check_reply(request: SampleRequest, sequences: Sequence[SampledSequence]) -> None:
     if len(sequences) != request.num_samples:
         raise SamplerContractError(
@@ -107,7 +112,7 @@ def sample_checked(
         try:
             replies = sampler.sample(requests, settings)
             break
-        except SamplerContractError:
+        except (SamplerContractError, SamplerFailure):
             raise
         except Exception as error:
             if attempt == attempts:

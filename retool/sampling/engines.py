@@ -12,7 +12,7 @@ from retool.config.sampler import engine_dtype, engine_gpus, takes_weights_in_me
 from retool.config.settings import RunSettings, SettingsError
 from retool.files.layout import RunFolder
 from retool.sampling.contract import Sampler
-from retool.sampling.server import server_takes_weights_in_memory, server_urls
+from retool.sampling.server import revive_server, server_takes_weights_in_memory, server_urls
 from retool.sampling.server_client import ServerSampler
 from retool.sampling.vllm_engine import vllm_available
 from retool.weights.checkpoint import Policy
@@ -106,7 +106,10 @@ def _load_engine(
     if kind == "vllm-server":
         in_memory = server_takes_weights_in_memory(settings)
         memory = (int(engine_gpus(settings.sampler, index)), dtype) if in_memory else None
-        return ServerSampler(urls[index], device, settings.sampler.request_timeout_seconds, memory=memory)
+        return ServerSampler(
+            urls[index], device, settings.sampler.request_timeout_seconds, memory=memory,
+            attempts=settings.sampler.request_attempts, revive=lambda url: revive_server(settings, url),
+        )  # fmt: skip
     if kind == "vllm":
         from retool.sampling.vllm_engine import VLLMSampler
 

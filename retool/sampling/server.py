@@ -22,8 +22,9 @@ from retool.config.sampler import engine_dtype, engine_gpus, takes_weights_in_me
 from retool.config.settings import RunSettings, SettingsError
 from retool.files.atomic import write_text_atomically
 from retool.files.layout import RunFolder
+from retool.sampling.contract import SamplerFailure
 from retool.sampling.server_client import is_healthy, served_model
-from retool.sampling.vllm_engine import CPU_ENVIRONMENT, LOGPROBS_MODE
+from retool.sampling.vllm_engine import CPU_ENVIRONMENT, LOGPROBS_MODE, max_lora_rank
 from retool.sampling.weight_transfer import WEIGHT_TRANSFER, WEIGHT_TRANSFER_ENVIRONMENT
 from retool.weights.models import resolve_model
 
@@ -62,7 +63,8 @@ def server_command(settings: RunSettings, port: int) -> list[str]:
         if server_takes_weights_in_memory(settings):
             command += ["--weight-transfer-config", json.dumps(WEIGHT_TRANSFER)]
     if settings.trainer.lora_rank:
-        command += ["--enable-lora", "--max-lora-rank", str(settings.trainer.lora_rank), "--max-loras", "1"]
+        rank = str(max_lora_rank(settings.trainer.lora_rank))
+        command += ["--enable-lora", "--max-lora-rank", rank, "--max-loras", "1"]
     return command
 
 
@@ -110,6 +112,8 @@ def check_port_free(port: int, index: int = 0) -> None:
     """A port in use is an error naming what holds it: a server started there would exit, and a readiness
     check would be answered by the other one. `index`: the run's server that would listen there."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As vLLM's server binds: a listener makes the port taken, a dead server's closed connections do not.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("0.0.0.0", port))
         except OSError:
@@ -131,23 +135,25 @@ def start_server(settings: RunSettings, port: int, log_path: Path, gpus: str = "
 def start_servers(settings: RunSettings, port: int, log_path: Path) -> list[tuple[subprocess.Popen, str]]:
     """The run's [sampler] engines servers, on ports `port`, `port` + 1, ..., each on its own GPUs, started at
     once and waited for together (a server's start is mostly its own compilation); all stopped if one fails."""
-    count = settings.sampler.engines
-    logs = (
-        [log_path]
-        if count == 1
-        else [log_path.with_name(f"{log_path.stem}-{i}{log_path.suffix}") for i in range(count)]
-    )
-    on_gpu = settings.run.device == "cuda"
     processes: list[subprocess.Popen] = []
     try:
-        for index in range(count):
-            gpus = engine_gpus(settings.sampler, index) if on_gpu else ""
-            processes.append(launch_server(settings, port + index, logs[index], gpus, index))
-        return [(p, wait_until_answering(p, port + i, logs[i])) for i, p in enumerate(processes)]
+        for index in range(settings.sampler.engines):
+            gpus = engine_gpus(settings.sampler, index) if settings.run.device == "cuda" else ""
+            processes.append(launch_server(settings, port + index, server_log(settings, log_path, index), gpus, index))
+        return [
+            (p, wait_until_answering(p, port + i, server_log(settings, log_path, i))) for i, p in enumerate(processes)
+        ]
     except BaseException:
         for process in processes:
             stop_server(process)
         raise
+
+
+def server_log(settings: RunSettings, log_path: Path, index: int) -> Path:
+    """Server `index`'s log: `log_path` itself when the run has one server."""
+    return (
+        log_path if settings.sampler.engines == 1 else log_path.with_name(f"{log_path.stem}-{index}{log_path.suffix}")
+    )
 
 
 def launch_server(settings: RunSettings, port: int, log_path: Path, gpus: str = "", index: int = 0) -> subprocess.Popen:
@@ -259,4 +265,101 @@ def server_urls(settings: RunSettings) -> list[str]:
     for process, url in started:
         atexit.register(stop_server, process)  # started by this command: stopped when it ends
         used[url] = f"started by this command, pid {process.pid}"
+        _owned[url] = process.pid
+        _first_started.add(process.pid)
+    atexit.register(_stop_restarted, settings)  # registered last, so it runs first
     return [url for _, url in started]
+
+
+_owned: dict[str, int] = {}  # url -> pid of a server this command started (a forked worker inherits the list)
+_first_started: set[int] = set()  # the pids this command started its servers with (stopped by stop_server)
+
+
+def revive_server(settings: RunSettings, url: str) -> None:
+    """Returns once the run's server at `url`, which stopped answering, answers again: one this command started is
+    started again on its port (what is left of it killed first; one process of the command does it, the others
+    wait on a lock and find it answering); one another command started (`python -m retool serve`, or listed in
+    [sampler] servers) is waited for, [sampler] server_wait_seconds at most, then a ServerGone error names it."""
+    if url in _owned:
+        with _restart_lock(settings):
+            if is_healthy(url):  # another process of this command started it again meanwhile
+                return
+            _restart(settings, url)
+        return
+    wait = settings.sampler.server_wait_seconds
+    how = used.get(url, "not started by this command")
+    log.warning("the vLLM server at %s (%s) stopped answering: waiting up to %.0f s for it to return", url, how, wait)
+    deadline = time.monotonic() + wait
+    while not is_healthy(url):
+        if time.monotonic() > deadline:
+            raise ServerGone(
+                f"the vLLM server at {url} ({how}) stopped answering and did not return within {wait:.0f} s "
+                "([sampler] server_wait_seconds): start it again (python -m retool serve) and re-run the command"
+            )
+        time.sleep(min(2.0, wait))
+    log.warning("the vLLM server at %s answers again", url)
+
+
+class ServerGone(SamplerFailure):
+    """A server the run samples from is gone for good: the message names it and what to do."""
+
+
+def _restart(settings: RunSettings, url: str) -> None:
+    port = int(url.rsplit(":", 1)[1])
+    index, pid = port - settings.sampler.server_port, _owned[url]
+    log_path = server_log(settings, RunFolder(settings.run_dir).server_log, index)
+    log.warning("the vLLM server at %s (pid %d) stopped answering: starting it again (log: %s)", url, pid, log_path)
+    _kill_group(pid)
+    deadline = time.monotonic() + 30.0
+    while listening_pid(port) is not None and time.monotonic() < deadline:  # the killed server's socket closing
+        time.sleep(0.2)
+    gpus = engine_gpus(settings.sampler, index) if settings.run.device == "cuda" else ""
+    process = launch_server(settings, port, log_path, gpus, index)
+    wait_until_answering(process, port, log_path)
+    _owned[url] = process.pid
+    used[url] = f"started by this command, pid {process.pid} (started again)"
+    write_record(settings, list(_owned.items()), "pipeline")
+
+
+def _restart_lock(settings: RunSettings):
+    """An exclusive lock of the run's server record, held while one process starts a server again."""
+    import fcntl
+    from contextlib import contextmanager
+
+    @contextmanager
+    def held():
+        path = RunFolder(settings.run_dir).server_record.with_suffix(".lock")
+        with path.open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    return held()
+
+
+def _kill_group(pid: int, grace_seconds: float = 0.0) -> None:
+    """Stops a server's process group that is not this process's child: SIGTERM, then SIGKILL after the grace."""
+    import psutil
+
+    try:
+        if grace_seconds:
+            os.killpg(pid, signal.SIGTERM)
+            psutil.wait_procs([psutil.Process(pid)], timeout=grace_seconds)
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError, psutil.NoSuchProcess):
+        pass
+
+
+def _stop_restarted(settings: RunSettings) -> None:
+    """At the command's end: the servers it started again (in this process or in a forked worker, which recorded
+    them) are stopped like those it started first (which their own handlers stop)."""
+    try:
+        record = json.loads(RunFolder(settings.run_dir).server_record.read_text())
+    except (OSError, ValueError):
+        return
+    if record.get("started_by") == "pipeline":
+        for server in record.get("servers", []):
+            if int(server["pid"]) not in _first_started:
+                _kill_group(int(server["pid"]), grace_seconds=30.0)

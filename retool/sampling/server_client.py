@@ -11,26 +11,36 @@ vLLM's weight-transfer routes (see retool.sampling.weight_transfer).
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import requests
 
+from retool.recoveries import note_recovery
 from retool.sampling.adapters import ADAPTER_WEIGHTS, adapter_for_engine
-from retool.sampling.contract import SampledSequence, SampleRequest, SamplingSettings
+from retool.sampling.contract import SampledSequence, SampleRequest, SamplerFailure, SamplingSettings
 from retool.sampling.progress import sampling_progress, set_tokens
 from retool.sampling.weight_transfer import send_weights
 from retool.weights.checkpoint import Policy
 
 HEALTH_TIMEOUT_SECONDS = 5.0
+log = logging.getLogger(__name__)
 
 
 class ServerError(RuntimeError):
-    """The vLLM server refused or failed a call; the message names the server and the call."""
+    """The vLLM server refused or failed a call; the message names the server and the call. `cause`: a retool.recoveries
+    cause when the failure may pass (an HTTP 5xx, a lost connection, a timeout), None when it will not (a 4xx)."""
+
+    def __init__(self, message: str, cause: str | None = None):
+        super().__init__(message)
+        self.cause = cause
 
 
 def is_healthy(url: str) -> bool:
@@ -50,9 +60,12 @@ def _call(method: str, url: str, path: str, timeout: float, **kwargs) -> dict:
     try:
         response = requests.request(method, f"{url}{path}", timeout=timeout, **kwargs)
     except requests.RequestException as error:
-        raise ServerError(f"vLLM server {url}: {method} {path} failed ({error.__class__.__name__}: {error})") from None
+        cause = "sampler_timeout" if isinstance(error, requests.Timeout) else "sampler_connection"
+        message = f"vLLM server {url}: {method} {path} failed ({error.__class__.__name__}: {error})"
+        raise ServerError(message, cause) from None
     if response.status_code != 200:
-        raise ServerError(f"vLLM server {url}: {method} {path} answered {response.status_code}: {response.text[:300]}")
+        message = f"vLLM server {url}: {method} {path} answered {response.status_code}: {response.text[:300]}"
+        raise ServerError(message, "sampler_server_error" if response.status_code >= 500 else None)
     return response.json() if response.content and "json" in response.headers.get("content-type", "") else {}
 
 
@@ -66,11 +79,19 @@ class ServerSampler:
         request_timeout_seconds: float = 600.0,
         workers: int = 64,
         memory: tuple[int, str] | None = None,
+        attempts: int = 4,
+        revive: Callable[[str], None] | None = None,
+        backoff_seconds: float = 1.0,
     ):
         """`memory`: the server's GPU (its position among this process's) and dtype, when it takes full weights
-        from this process's memory (see retool.sampling.weight_transfer)."""
+        from this process's memory (see retool.sampling.weight_transfer); `attempts`: the tries of a call whose
+        failure may pass, `backoff_seconds` apart and doubling; `revive(url)`: returns once a server that stopped
+        answering answers again (retool.sampling.server.revive_server), or raises."""
         self.url, self.device, self.memory = url.rstrip("/"), device, memory
         self.request_timeout_seconds = request_timeout_seconds  # a hung server fails the call, then its retries
+        self.attempts, self.backoff_seconds, self.revive = attempts, backoff_seconds, revive
+        self._revived = 0  # how often the server was found dead and answered again: a call compares it
+        self._revive_lock = threading.Lock()  # the calls run in threads: one of them revives the server
         self.base_model = served_model(self.url)  # what every request samples unless an adapter is loaded
         self.model = self.base_model  # the name requests are sampled under now
         self.policy: Policy | None = None  # the policy sampled from; None = the server's own model
@@ -89,6 +110,9 @@ class ServerSampler:
         do correctly (it keeps the weights its kernels packed at start), so there a server serves only its own
         weights and adapters over them."""
         if policy == self.policy:
+            return
+        if self.revive is not None and not is_healthy(self.url):  # it died between this process's calls
+            self._revive_server(self._revived, policy)
             return
         self.wake()
         self._load_weights(
@@ -192,13 +216,7 @@ class ServerSampler:
             "return_token_ids": True,
             "skip_special_tokens": False,
         }
-        try:
-            reply = _call("POST", self.url, "/v1/completions", self.request_timeout_seconds, json=body)
-        except ServerError as error:
-            if self.model == self.base_model or " answered 404" not in str(error):
-                raise
-            self._load_adapter(self.model)  # another process unloaded it after its own step: load it again
-            reply = _call("POST", self.url, "/v1/completions", self.request_timeout_seconds, json=body)
+        reply = self._completion(body)
         sequences = []
         for choice in sorted(reply["choices"], key=lambda c: c["index"]):
             tokens = tuple(choice["token_ids"])
@@ -206,3 +224,40 @@ class ServerSampler:
             finish = "length" if choice["finish_reason"] == "length" else "stop"
             sequences.append(SampledSequence(tokens, logprobs, finish))
         return sequences
+
+    def _completion(self, body: dict) -> dict:
+        """One completion call, tried again where its failure may pass; a server found dead is revived and this
+        process's policy loaded on it again. The seed in `body` makes a retried call sample the same tokens."""
+        for attempt in range(1, self.attempts + 1):
+            revived = self._revived
+            body["model"] = self.model  # the adapter's name, loaded again on a revived server
+            try:
+                return _call("POST", self.url, "/v1/completions", self.request_timeout_seconds, json=body)
+            except ServerError as error:
+                if error.cause is None and " answered 404" in str(error) and self.model != self.base_model:
+                    self._load_adapter(self.model)  # another process unloaded it after its own step: load it again
+                    continue
+                if error.cause is None or attempt == self.attempts:
+                    tries = f" (after {attempt} tries)" if attempt > 1 else ""
+                    raise SamplerFailure(f"{error}{tries}") from None
+                note_recovery(error.cause)
+                if error.cause == "sampler_connection" and self.revive is not None and not is_healthy(self.url):
+                    self._revive_server(revived)
+                else:
+                    delay = self.backoff_seconds * 2 ** (attempt - 1)
+                    log.warning("%s; retry %d/%d in %.0f s", error, attempt, self.attempts - 1, delay)
+                    time.sleep(delay)
+        raise AssertionError("unreachable")
+
+    def _revive_server(self, seen: int, policy: Policy | None = ...) -> None:
+        """Once per death, whichever call saw it first: waits for the server (see `revive`), then loads `policy`
+        (by default this process's) on it again: a new server holds only its own model."""
+        with self._revive_lock:
+            if self._revived != seen:  # another call revived it meanwhile
+                return
+            self.revive(self.url)
+            note_recovery("sampler_server_restart")
+            policy = self.policy if policy is ... else policy
+            self.policy, self.model, self.weights = None, self.base_model, Path(self.base_model)
+            self.use_policy(policy)
+            self._revived += 1

@@ -33,6 +33,14 @@ CPU_ENVIRONMENT = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM takes as max_lora_rank (vllm.config.lora)
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM takes that holds an adapter of `rank` (a bound: smaller adapters load)."""
+    return next((allowed for allowed in VLLM_LORA_RANKS if allowed >= rank), rank)
+
+
 LOGPROBS_MODE = "processed_logprobs"  # of the distribution sampled from: after temperature (and a nucleus)
 
 
@@ -130,7 +138,7 @@ class VLLMSampler:
                 options["weight_transfer_config"] = WEIGHT_TRANSFER
                 os.environ.update(WEIGHT_TRANSFER_ENVIRONMENT)
         if lora_rank:
-            options.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1)
+            options.update(enable_lora=True, max_lora_rank=max_lora_rank(lora_rank), max_loras=1)
         # Logprobs of the distribution each token was drawn from (logits / temperature), as the trainer takes them;
         # vLLM's default is the raw logits' logprobs, which agree with it only at temperature 1.
         options["logprobs_mode"] = LOGPROBS_MODE

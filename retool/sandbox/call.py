@@ -25,6 +25,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from retool.config.sandbox import SandboxConfig
+from retool.recoveries import note_recovery
 from retool.sandbox.isolation import (
     DIE_WITH_PARENT,
     FORK_SERVER,
@@ -33,23 +34,16 @@ from retool.sandbox.isolation import (
     WORKDIR_PREFIX,
     Containment,
     ForkServer,
+    ServerDied,
     child_environment,
     empty_cgroup,
     kill_group,
     probe_containment,
 )
+from retool.sandbox.observation import ExecutionResult, observation_text
 from retool.sandbox.runner import SANDBOX_GID, SANDBOX_UID
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ExecutionResult:
-    status: str  # ok | error | timeout
-    stdout: str  # tail of standard output
-    stderr: str  # tail of standard error (tracebacks land here)
-    seconds: float  # wall time of the call
-    exit_code: int | None  # the child's exit status; negative for a signal; None after a timeout
 
 
 def _read_tail(path: Path, limit: int) -> str:
@@ -76,6 +70,8 @@ class Sandbox:
         self._zygote: subprocess.Popen | None = None  # started by this process, or None
         self._zygote_address: str | None = None  # where any process of the pipeline connects
         self._zygote_lock = threading.Lock()
+        self.server_restarts = 0  # fork servers found dead (between calls or under one) and replaced
+        self._restarts_lock = threading.Lock()
         _SANDBOXES.add(self)
 
     def prewarm(self) -> None:
@@ -96,12 +92,13 @@ class Sandbox:
             self._zygote.stdin.close()
             self._zygote = None
         self._zygote_lock = threading.Lock()
+        self._restarts_lock = threading.Lock()
 
     def run_code(self, code: str) -> ExecutionResult:
         """Runs one call; safe to call from many threads (at most max_workers run at once)."""
         with self._slots:
             try:
-                result = self._run(code)
+                result = self._run_rerun_once_if_the_server_dies(code)
             except Exception as error:  # the sandbox itself failed: only this call is affected
                 log.exception("sandbox call failed")
                 result = ExecutionResult(
@@ -112,6 +109,26 @@ class Sandbox:
                     None,
                 )
         return result
+
+    def _run_rerun_once_if_the_server_dies(self, code: str) -> ExecutionResult:
+        """A call whose fork server died under it (killed from outside: the code cannot reach it) runs once
+        more on a new server; it starts from a fresh process and directory either way, so that gives its real
+        result. A second death is not retried: it ends as a sandbox failure."""
+        try:
+            return self._run(code)
+        except ServerDied as died:
+            self._count_server_restart()
+            log.warning("%s during a call; running the call once more on a new server", died)
+        try:
+            return self._run(code)
+        except ServerDied as died:
+            self._count_server_restart()
+            raise ServerDied(f"{died}, twice for this call: not run again") from None
+
+    def _count_server_restart(self) -> None:
+        with self._restarts_lock:
+            self.server_restarts += 1
+        note_recovery("sandbox_server_restart")
 
     def run_many(self, codes: Sequence[str]) -> list[ExecutionResult]:
         """Runs calls concurrently; results come back in the order of `codes`."""
@@ -228,11 +245,9 @@ class Sandbox:
     def _run_prewarmed(self, settings_file: Path) -> int | None:
         """A child forked from a pre-warmed server, into the server's pids cgroup; after the call
         (or its timeout) everything in that cgroup but the server is killed, wherever it went.
-        None after a timeout."""
-        try:
-            server = self._servers.get_nowait()
-        except queue.Empty:
-            server = self._start_server()
+        None after a timeout; ServerDied if the server died before the call ended."""
+        server = self._live_idle_server()
+        timed_out = False
         try:
             server.send({"settings": str(settings_file)})
             ready, _, _ = select.select([server.connection], [], [], self.config.timeout_seconds)
@@ -242,11 +257,27 @@ class Sandbox:
                 ready, _, _ = select.select([server.connection], [], [], 0.2)
             exit_code = server.receive("done")
             empty_cgroup(server.cgroup, remove=False, spare=server.pid)  # what the code left running
-        except Exception:
+        except Exception as error:
             server.stop()
+            if isinstance(error, ServerDied) and timed_out:  # past its wall clock already: that is its result
+                self._count_server_restart()
+                return None
             raise
         self._servers.put(server)
         return None if timed_out else exit_code
+
+    def _live_idle_server(self) -> ForkServer:
+        """An idle server of this process that is still alive (dead ones are stopped and counted), or a new one."""
+        while True:
+            try:
+                server = self._servers.get_nowait()
+            except queue.Empty:
+                return self._start_server()
+            if server.idle_and_alive():
+                return server
+            log.warning("a sandbox fork server died between calls; starting a new one")
+            server.stop()
+            self._count_server_restart()
 
     def _start_server(self) -> "ForkServer":
         """A server forked from the zygote for this process, in a pids cgroup of its own."""
@@ -316,34 +347,16 @@ class Sandbox:
         with self._zygote_lock:
             if address is not None and address != self._zygote_address:
                 return
-            if self._zygote is not None:
-                kill_group(self._zygote)
+            if self._zygote is not None and address is None:
+                kill_group(self._zygote)  # and every server forked from it
+            elif self._zygote is not None:  # it ended: the servers it forked still run their calls
+                self._zygote.kill()
+                self._zygote.wait()
+                self._zygote.stdin.close()
             self._zygote, self._zygote_address = None, None
 
     def observation(self, result: ExecutionResult) -> str:
         return observation_text(result, self.config)
-
-
-SEED_OUTPUT_CHARACTERS = 4096  # [sandbox] observation = seed: the end of the output the model reads
-
-
-def observation_text(result: ExecutionResult, config: SandboxConfig) -> str:
-    """The text of one call's tool message, before the protocol neutralises its special tokens, in the format of
-    [sandbox] observation (docs/layout.md, "Departures from the seed")."""
-    if config.observation == "notebook":
-        parts = [part.rstrip("\n") for part in (result.stdout, result.stderr) if part.strip()]
-        return "\n".join(parts) if parts else "(no output)"
-    if result.status == "timeout":
-        return f"Error: execution timed out after {config.timeout_seconds:g} seconds."
-    if result.status == "ok":
-        return _last_characters(result.stdout)
-    if result.stderr:
-        return _last_characters(result.stderr)
-    return f"Error: process exited with code {result.exit_code}."
-
-
-def _last_characters(text: str, limit: int = SEED_OUTPUT_CHARACTERS) -> str:
-    return text if len(text) <= limit else f"[... truncated {len(text) - limit} chars ...]\n{text[-limit:]}"
 
 
 def _classify(exit_code: int | None, output_limited: bool, config: SandboxConfig) -> tuple[str, str]:

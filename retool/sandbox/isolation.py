@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -147,6 +148,10 @@ def read_text_or_empty(path: Path) -> str:
         return ""
 
 
+class ServerDied(RuntimeError):
+    """The fork server's connection broke or closed without a status: the server (not the code) ended."""
+
+
 @dataclass
 class ForkServer:
     connection: socket.socket  # to a server forked from the zygote, in a network namespace of its own
@@ -156,16 +161,33 @@ class ForkServer:
 
     def forget(self) -> None:
         """Closes this process's copy of the connection (in a forked child), leaving the server alone."""
-        self.stream.close()
+        try:
+            self.stream.close()
+        except OSError:  # a dead server: what was left unsent goes nowhere (the stream is closed all the same)
+            pass
         self.connection.close()
 
+    def idle_and_alive(self) -> bool:
+        """An idle server says nothing: a readable connection means it ended (EOF) since its last call."""
+        return not select.select([self.connection], [], [], 0)[0]
+
     def send(self, message: dict) -> None:
-        self.stream.write(json.dumps(message) + "\n")
-        self.stream.flush()
+        try:
+            self.stream.write(json.dumps(message) + "\n")
+            self.stream.flush()
+        except (BrokenPipeError, ConnectionResetError) as error:
+            raise ServerDied(f"the sandbox fork server is gone ({error})") from None
 
     def receive(self, word: str) -> int:
-        """Reads the server's `WORD NUMBER` line; anything else means the server is gone."""
-        reply = self.stream.readline().split()
+        """Reads the server's `WORD NUMBER` line; EOF or a reset means the server died, anything else is a
+        protocol error."""
+        try:
+            line = self.stream.readline()
+        except ConnectionResetError as error:
+            raise ServerDied(f"the sandbox fork server died ({error})") from None
+        if not line:
+            raise ServerDied(f"the sandbox fork server died (its connection closed without {word!r})")
+        reply = line.split()
         if len(reply) != 2 or reply[0] != word:
             raise RuntimeError(f"the sandbox fork server stopped (expected {word!r}, read {reply!r})")
         return int(reply[1])

@@ -1,11 +1,10 @@
 """Checkpoints on disk: written whole beside their place and renamed (a killed write leaves nothing
-that looks complete), with the random state that makes a resumed run equal an uninterrupted one, and
-pruned to the retention policy."""
+that looks complete, a failed one nothing at all, and a full disk fails in one line naming the checkpoint), with the
+random state that makes a resumed run equal an uninterrupted one, and pruned to the retention policy."""
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 from dataclasses import asdict
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 
 from retool.config.trainer import TrainerConfig
+from retool.files.atomic import write_folder_atomically
 from retool.training.parallel import untied, whole_state
 from retool.training.record import StepMetrics
 from retool.weights.checkpoint import TOKENIZER_FILES, Checkpoint
@@ -32,7 +32,14 @@ def set_random_state(state: dict) -> None:
 
 
 def save_rng(path: Path) -> None:
-    torch.save(random_state(), path)
+    torch_save(random_state(), path)
+
+
+def torch_save(value, path: Path) -> None:
+    """torch.save through an open file: on a full disk its OSError (ENOSPC) is what torch's error came from, where
+    torch.save to a path says only "unexpected pos"."""
+    with open(path, "wb") as file:
+        torch.save(value, file)
 
 
 def restore_rng(path: Path) -> None:
@@ -52,7 +59,8 @@ def save_checkpoint(
     served_in: str = "",
 ) -> None:
     """Writes the whole checkpoint beside its final place, marks it _SUCCESS, then renames it: a
-    killed write leaves no folder that looks complete. A PEFT model saves its adapter, any other
+    killed write leaves no folder that looks complete, a failed one (a full disk: a DiskFullError naming `folder`)
+    removes what it wrote and leaves an earlier `folder` as it was. A PEFT model saves its adapter, any other
     model its full weights with the tokenizer; the Adam state by parameter name; `extra` adds JSON
     files. `gathered`: the weights and Adam state that every process gathered from their shards
     (see parallel.whole_state); None: this process's own. `served_in`: not a full save, only what a sampler
@@ -63,29 +71,26 @@ def save_checkpoint(
         weights = untied(
             model, {k: v.to(dtype) if v.is_floating_point() else v for k, v in (weights or model.state_dict()).items()}
         )
-    for stale in folder.parent.glob(f".{folder.name}.tmp-*"):  # left by a writer that was killed
-        shutil.rmtree(stale, ignore_errors=True)
-    temporary = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    temporary.mkdir(parents=True)
-    checkpoint = Checkpoint(temporary)
-    for name, value in (extra or {}).items():
-        (temporary / name).write_text(json.dumps(value, indent=1) + "\n")
-    if hasattr(model, "peft_config"):
-        model.save_pretrained(checkpoint.adapter, state_dict=weights)
-    else:
-        model.save_pretrained(checkpoint.model, state_dict=weights)
-        for name in TOKENIZER_FILES:
-            if (tokenizer_source / name).exists():
-                shutil.copy(tokenizer_source / name, checkpoint.model / name)
-    if not served_in:
-        torch.save(optimizer_state, checkpoint.optimizer)
-        save_rng(checkpoint.rng)
-    checkpoint.metrics.write_text(json.dumps(asdict(metrics), indent=2) + "\n")
-    checkpoint.trainer_config.write_text(json.dumps(asdict(config), indent=2) + "\n")
-    checkpoint.marker.write_text("")
-    if folder.exists():
-        shutil.rmtree(folder)  # an incomplete or stale checkpoint from an earlier attempt
-    temporary.rename(folder)
+
+    def write(temporary: Path) -> None:
+        checkpoint = Checkpoint(temporary)
+        for name, value in (extra or {}).items():
+            (temporary / name).write_text(json.dumps(value, indent=1) + "\n")
+        if hasattr(model, "peft_config"):
+            model.save_pretrained(checkpoint.adapter, state_dict=weights)
+        else:
+            model.save_pretrained(checkpoint.model, state_dict=weights)
+            for name in TOKENIZER_FILES:
+                if (tokenizer_source / name).exists():
+                    shutil.copy(tokenizer_source / name, checkpoint.model / name)
+        if not served_in:
+            torch_save(optimizer_state, checkpoint.optimizer)
+            save_rng(checkpoint.rng)
+        checkpoint.metrics.write_text(json.dumps(asdict(metrics), indent=2) + "\n")
+        checkpoint.trainer_config.write_text(json.dumps(asdict(config), indent=2) + "\n")
+        checkpoint.marker.write_text("")
+
+    write_folder_atomically(folder, write)
 
 
 def prune_checkpoints(checkpoints: list[tuple[int, Path]], keep_last: int, keep_every: int) -> list[Path]:

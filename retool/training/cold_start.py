@@ -74,8 +74,9 @@ def train_cold_start(
     RL starts from it as from any base model. Returns the loss of every step."""
     from retool.training.checkpoints import save_checkpoint
     from retool.training.memory_plan import check_memory
+    from retool.training.out_of_memory import release_memory
     from retool.training.parallel import whole_state
-    from retool.training.step import load_policy, release_memory, set_seed, update_policy
+    from retool.training.step import load_policy, set_seed, update_policy
 
     if Checkpoint(out).marker.exists():  # published, but the losses table was not written yet
         return json.loads((out / LOSSES).read_text())

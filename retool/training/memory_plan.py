@@ -4,12 +4,13 @@ the memory free beside the sampler. A step that cannot fit is refused with the s
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from retool.config.trainer import TrainerConfig
 
 GIB = 2**30
+MIB = 2**20
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 ALLOCATOR_MARGIN = 1.10  # the caching allocator's fragmentation and the kernels' workspaces
 
@@ -37,7 +38,9 @@ class MemoryPlan:
 
     def describe(self) -> str:
         parts = ("weights", "trainable_state", "activations", "logits")
-        return f"{self.total / GIB:.1f} GiB (" + ", ".join(f"{p} {getattr(self, p) / GIB:.1f}" for p in parts) + ")"
+        unit, size = ("GiB", GIB) if self.total >= GIB else ("MiB", MIB)  # a small model's figures in MiB
+        figures = ", ".join(f"{p} {getattr(self, p) / size:.1f}" for p in parts)
+        return f"{self.total / size:.1f} {unit} ({figures})"
 
 
 def model_shape(model_dir: Path) -> ModelShape:
@@ -105,6 +108,38 @@ def plan_step(shape: ModelShape, config: TrainerConfig, processes: int = 1) -> M
 
 class MemoryPlanError(RuntimeError):
     """A training step would not fit in the GPU memory that is free."""
+
+
+class TrainerOutOfMemoryError(MemoryPlanError):
+    """A training step ran out of memory again after its micro-batches were made smaller (or, among several
+    training processes, once: one cannot retry alone)."""
+
+
+def datum_count(count: int) -> str:
+    return f"{count} datum" + ("" if count == 1 else "s")
+
+
+def micro_batch_bounds(config: TrainerConfig) -> str:
+    return f"{datum_count(config.micro_batch_items)} / {config.micro_batch_tokens} padded tokens"
+
+
+def smaller_micro_batches(config: TrainerConfig, items: int, padded_tokens: int) -> TrainerConfig:
+    """`config` with micro-batches half the size of one of `items` datums and `padded_tokens` that ran out of memory
+    (half the bounds, where those are smaller); a datum longer than the token bound still gets one of its own."""
+    return replace(
+        config,
+        micro_batch_items=max(1, min(config.micro_batch_items, items) // 2),
+        micro_batch_tokens=max(1, min(config.micro_batch_tokens, padded_tokens) // 2),
+    )
+
+
+def out_of_memory_advice(plan: MemoryPlan, config: TrainerConfig) -> str:
+    """The memory plan at the micro-batch bounds that ran out of memory, and the settings that lower it."""
+    return (
+        f"memory plan at {micro_batch_bounds(config)} per micro-batch: {plan.describe()}: lower [trainer] "
+        "micro_batch_tokens (activations) or logprob_chunk_tokens (logits), keep gradient_checkpointing on, train a "
+        "LoRA (lora_rank > 0), or shorten [rollout] max_trajectory_tokens (a datum is never split)"
+    )
 
 
 def check_plan(plan: MemoryPlan, free_bytes: int) -> None:

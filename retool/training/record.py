@@ -33,6 +33,8 @@ class StepMetrics:
     # (1 without one), and the share of tokens whose weight it truncated (tis) or dropped (mis)
     importance_weight: float = 1.0
     importance_limited: float = 0.0
+    # Passes retried in smaller micro-batches after running out of memory (at most 1: a second time fails the step)
+    oom_retries: int = 0
 
 
 def describe_metrics(metrics: StepMetrics) -> str:
@@ -47,4 +49,5 @@ def describe_metrics(metrics: StepMetrics) -> str:
         f"clip {metrics.clip_fraction:.3f}, sampler gap {metrics.logprob_gap:.2e}, importance weight "
         f"{metrics.importance_weight:.3f} ({metrics.importance_limited:.3f} limited), "
         f"{metrics.tokens_per_second:.0f} tokens/s"
+        + (", retried once in smaller micro-batches after running out of memory" if metrics.oom_retries else "")
     )

@@ -28,6 +28,7 @@ from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memo
 from retool.training import parallel, resident
 from retool.training.checkpoints import save_checkpoint
 from retool.training.memory_plan import check_memory
+from retool.training.out_of_memory import release_memory
 from retool.training.packing import pack_micro_batches
 from retool.training.record import StepMetrics
 from retool.training.step import (
@@ -35,7 +36,6 @@ from retool.training.step import (
     load_model,
     optimizer_for,
     policy_pass,
-    release_memory,
     set_seed,
     update_policy,
 )

@@ -10,11 +10,10 @@ micro-batch, and the gradients are summed before the optimizer step.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import gc
+import logging
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy
@@ -27,9 +26,12 @@ from retool.rollout.datums import Datum
 from retool.training import parallel
 from retool.training.checkpoints import restore_rng
 from retool.training.losses import importance_weights, limited_by_correction, token_loss
+from retool.training.out_of_memory import MicroBatchPlan, out_of_memory_in, repacked
 from retool.training.packing import MicroBatch, loss_token_weights, pack_micro_batches
 from retool.training.record import StepMetrics
 from retool.weights.checkpoint import Checkpoint, Policy
+
+log = logging.getLogger(__name__)
 
 
 def set_seed(seed: int) -> None:
@@ -155,7 +157,7 @@ def policy_pass(
         )
         # DDP reduces the gradients in the last backward pass only: the earlier ones accumulate locally.
         no_sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
-        with torch.set_grad_enabled(weights is not None), autocast, no_sync:
+        with torch.set_grad_enabled(weights is not None), autocast, no_sync, out_of_memory_in(batch):
             logprobs, entropy = parallel.logprobs_of(model)(
                 tensors["input_ids"],
                 tensors["attention_mask"],
@@ -235,15 +237,21 @@ def _micro_batches(chosen: list[Datum], config: TrainerConfig) -> list[MicroBatc
 
 
 def _update(
-    model, optimizer, parameters, chosen, config, num_samples, device, proximal=None
+    model, optimizer, parameters, chosen, config, num_samples, device, proximal=None, plan=None
 ) -> tuple[PolicyPass, float]:
-    """One optimizer step on the `chosen` datums; what its gradient pass saw, and the gradient norm."""
-    batches = _micro_batches(chosen, config)
+    """One optimizer step on the `chosen` datums; what its gradient pass saw, and the gradient norm. `plan`: the
+    step's micro-batch bounds, which retry a gradient pass that runs out of memory before the optimizer steps."""
     # Each loss token's weight is fixed for the whole mini-batch first, so that summing micro-batch gradients gives
     # exactly the mini-batch's gradient.
     weights = loss_token_weights([d.loss_tokens for d in chosen], config.loss_aggregation, num_samples)
-    optimizer.zero_grad(set_to_none=True)
-    seen = accumulate_gradients(model, chosen, batches, weights, config, device, proximal)
+
+    def gradient_pass(bounds: TrainerConfig) -> PolicyPass:
+        batches = _micro_batches(chosen, bounds)
+        optimizer.zero_grad(set_to_none=True)
+        before = repacked(proximal, batches, chosen)
+        return accumulate_gradients(model, chosen, batches, weights, bounds, device, before)
+
+    seen = plan.run(gradient_pass) if plan is not None else gradient_pass(config)
     # Clipping bounds a step that a few extreme-advantage tokens would otherwise dominate.
     grad_norm = parallel.as_number(torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm))
     optimizer.step()
@@ -261,21 +269,29 @@ def update_policy(
     zero_variance_groups: int = 0,
 ) -> StepMetrics:
     """`ppo_epochs` x `ppo_mini_batches` optimizer steps over a training step's datums (none if there are
-    none), then, for PPO, a no-grad pass of the updated weights that measures how far the policy moved."""
+    none), then, for PPO, a no-grad pass of the updated weights that measures how far the policy moved. A pass that
+    runs out of memory is retried once in smaller micro-batches (MicroBatchPlan): a gradient pass before its
+    optimizer step, so that no update is applied twice."""
     started = time.perf_counter()
     parameters = [p for p in model.parameters() if p.requires_grad]
     model.train()
+    plan = MicroBatchPlan(model, optimizer, config, device)
     groups = mini_batches(len(datums), config.ppo_mini_batches)
-    whole = pack_micro_batches([d.num_tokens for d in datums], config.micro_batch_items, config.micro_batch_tokens)
+
+    def measured(some: list[Datum], bounds: TrainerConfig) -> tuple[list[MicroBatch], PolicyPass]:
+        batches = _micro_batches(some, bounds)  # a no-grad pass
+        return batches, policy_pass(model, some, batches, bounds, device)
+
     # A single update sees the policy it starts from in its own gradient pass; several need a pass before them.
     single = len(groups) * config.ppo_epochs == 1
-    before = None if single or not datums else policy_pass(model, datums, whole, config, device)
+    before = None if single or not datums else plan.run(lambda bounds: measured(datums, bounds))[1]
     # Decoupled PPO's proximal policy, the one before the first update, on each mini-batch's micro-batches as its
     # updates pack them (a single update has it in its own gradient pass).
     chosen = [[datums[i] for i in members] for members in groups]
     proximal = [None] * len(groups)
     if config.correction != "none" and not single:
-        proximal = [policy_pass(model, some, _micro_batches(some, config), config, device).padded for some in chosen]
+        proximal = [plan.run(lambda bounds, some=some: measured(some, bounds)) for some in chosen]
+        proximal = [(batches, seen.padded) for batches, seen in proximal]
     # sample_mean divides by every trajectory of the step (or only those with datums): a group that carries no
     # signal still counts, so a step of mostly equal rewards moves the policy less.
     samples = max(len(datums) if config.filter_zero_variance_groups else num_trajectories, 1)
@@ -285,17 +301,19 @@ def update_policy(
     for _ in range(config.ppo_epochs):
         for m, members in enumerate(groups):
             share = samples * len(members) / len(datums)  # sample_mean's denominator: this mini-batch's part
-            seen, grad_norm = _update(model, optimizer, parameters, chosen[m], config, share, device, proximal[m])
+            seen, grad_norm = _update(model, optimizer, parameters, chosen[m], config, share, device, proximal[m], plan)
             before = before or seen
             loss, clipped = loss + seen.loss / (len(groups) * config.ppo_epochs), clipped + seen.clipped
             grad_norms.append(grad_norm)
     # The updated policy, measured on the same tokens: how far the step moved it (KL, ratios outside the clip).
-    after = policy_pass(model, datums, whole, config, device) if config.objective == "ppo" and datums else None
+    after = plan.run(lambda bounds: measured(datums, bounds))[1] if config.objective == "ppo" and datums else None
+    whole = _micro_batches(datums, plan.config)  # as the step ended (smaller after an out-of-memory retry)
     sums = parallel.summed_over_processes(
         {"loss": loss, "clipped": clipped, **drift_sums(before or PolicyPass([], [], []), after, config)}, device
     )
     seconds = time.perf_counter() - started
-    return _step_metrics(datums, whole, sums, grad_norms, config, seconds, num_trajectories, zero_variance_groups)
+    metrics = _step_metrics(datums, whole, sums, grad_norms, config, seconds, num_trajectories, zero_variance_groups)
+    return replace(metrics, oom_retries=plan.retries)
 
 
 def _step_metrics(
@@ -334,18 +352,3 @@ def _step_metrics(
         tokens_per_second=real_tokens / seconds if seconds > 0 else 0.0,
         skipped=not datums,
     )
-
-
-def release_memory(device: str, collect: bool = True) -> None:
-    """After training, the sampler in this process gets the memory back: CUDA's cached blocks, or on a CPU
-    the heap that glibc keeps for reuse once tensors are freed (gigabytes after a training step). `collect`: the
-    model was let go, so the garbage collector frees what its reference cycles hold (a quarter second)."""
-    if collect:
-        gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-        return
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
-        pass
