@@ -26,7 +26,14 @@ from retool.files.atomic import DiskFullError, write_atomically
 from retool.files.tables import write_table_atomically
 from retool.training.checkpoints import save_checkpoint
 from retool.training.record import StepMetrics
-from tests.test_faults import assert_nothing_half_written, assert_same_outputs, outputs, run, write_config
+from tests.test_faults import (
+    assert_no_process_left,
+    assert_nothing_half_written,
+    assert_same_outputs,
+    outputs,
+    run,
+    write_config,
+)
 
 FREE = r"\(\d+(\.\d)? (B|KiB|MiB|GiB|TiB) free on /[^)]*\)"
 
@@ -195,6 +202,7 @@ def test_a_run_whose_disk_fills_up_fails_in_one_line_then_finishes_once_space_is
     assert re.search(rf"^TrainStep\(step=0\): not done: BuildDatums: {line}$", full.stdout, re.MULTILINE), full.stdout
     assert not datums.exists() and not list(datums.parent.glob(".datums.parquet.tmp-*"))
     assert_nothing_half_written(runs / "faulty")
+    assert_no_process_left("the run that found its disk full")
 
     freed = run(config, "luigi")
     assert freed.returncode == 0, freed.stderr[-3000:]

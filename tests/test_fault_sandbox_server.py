@@ -17,7 +17,7 @@ from retool.config.sandbox import SandboxConfig
 from retool.sandbox import call
 from retool.sandbox.call import Sandbox
 from retool.sandbox.isolation import FORK_SERVER, ForkServer
-from tests.test_faults import assert_same_outputs, outputs, run, write_config
+from tests.test_faults import assert_no_process_left, assert_same_outputs, outputs, run, write_config
 
 pytestmark = pytest.mark.skipif(not Sandbox().prewarmed, reason="pre-warmed servers need namespaces and a pids cgroup")
 
@@ -227,6 +227,7 @@ def test_a_run_whose_sandbox_servers_are_killed_mid_round_ends_as_an_uninterrupt
     done = run(config, "tests.inject_faults", KILL_SANDBOX_AT_CALL="1")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "fault: killed" in done.stderr and "fault: killed 0 " not in done.stderr, done.stderr[-3000:]
+    assert_no_process_left("the faulty run")
     assert_same_outputs(uninterrupted_run, outputs(runs / "faulty"))
     metrics = pq.read_table(runs / "faulty/step=0000/metrics.parquet").to_pylist()[0]
     assert metrics["retries_sandbox_server_restart"] >= 1

@@ -19,6 +19,7 @@ from retool.files.tables import OBSERVATIONS, SAMPLES, SFT_LOSSES, TRAJECTORIES,
 from retool.rollout.in_memory import rollout_in_memory
 from retool.rollout.rows import observation_row
 from retool.rollout.stage_tables import trajectories_table
+from retool.rollout.state import NO_CALLS_LEFT, REFUSED
 from retool.run.shared import protocol_for, sandbox_for
 from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import REPO, scripted
@@ -29,8 +30,11 @@ def without(table: pa.Table, column: str) -> pa.Table:
     return table.drop_columns([column])
 
 
-def test_pipeline_parquet_equals_the_in_memory_rollout(configure, monkeypatch):
-    settings = configure("equal")
+@pytest.mark.parametrize(
+    "rollout", [{}, {"max_code_calls": 1, "calls_spent": "answer_turn"}], ids=["calls spent end", "an answer turn"]
+)
+def test_pipeline_parquet_equals_the_in_memory_rollout(configure, monkeypatch, rollout):
+    settings = configure("equal", rollout=rollout)
     assert build(settings, 1, tool_policy(settings, 1), monkeypatch)
 
     observations_by_round = []
@@ -93,6 +97,8 @@ def test_pipeline_parquet_equals_the_in_memory_rollout(configure, monkeypatch):
     )
     assert {row["stop_reason"] for row in actual_observations.to_pylist() if row["done"]} >= {"answer"}
     assert any(row["tool_content"] for row in actual_observations.to_pylist())
+    refused = [row for row in actual_observations.to_pylist() if row["exec_status"] == REFUSED]
+    assert bool(refused) == bool(rollout) and all(row["tool_content"] == NO_CALLS_LEFT for row in refused)
 
 
 def test_deleting_one_output_reruns_only_it_and_downstream(configure, monkeypatch):

@@ -10,6 +10,8 @@ from retool.rollout.datums import PrefixError, build_datum, trajectory_sequence
 from retool.rollout.in_memory import rollout_in_memory
 from retool.rollout.scoring import assign_group_advantages
 from retool.rollout.state import (
+    NO_CALLS_LEFT,
+    REFUSED,
     PendingExecution,
     Trajectory,
     apply_samples,
@@ -401,3 +403,26 @@ def test_the_n_children_of_a_first_turn_request_get_exactly_their_branches_seeds
     children = {sample_seed(42, 3, 5, 0, 0) + i for i in range(8)}
     later_turns = {sample_seed(42, 3, 5, g, t) for g in range(8) for t in range(1, 6)}
     assert children.isdisjoint(later_turns)
+
+
+def always_calling(protocol):
+    """Every branch calls the tool at every turn but branch 1's fourth, which answers."""
+    return ScriptedSampler(
+        scripted(protocol, lambda q, g, t: "\\boxed{4}" if (g, t) == (1, 3) else tool_call_text("print(1)", "hermes"))
+    )
+
+
+def test_a_call_with_no_calls_left_ends_the_trajectory_or_gets_an_answer_turn(hermes):
+    """calls_spent = end (the seed's): the third call ends the trajectory; answer_turn: it is not run, the model
+    reads NO_CALLS_LEFT and gets one more turn (past max_assistant_turns), where a call ends it as the seed's would."""
+    config = replace(CONFIG, max_assistant_turns=3)
+    ended = run(hermes, always_calling(hermes), config, EXAMPLES[:1])
+    assert {(t.stop_reason, len(t.turns), t.code_calls) for t in ended} == {("max_code_calls", 3, 2)}
+    answered = run(hermes, always_calling(hermes), replace(config, calls_spent="answer_turn"), EXAMPLES[:1])
+    by_branch = {t.group_index: t for t in answered}
+    assert (by_branch[1].stop_reason, len(by_branch[1].turns), by_branch[1].code_calls) == ("answer", 4, 2)
+    assert (by_branch[0].stop_reason, len(by_branch[0].turns), by_branch[0].code_calls) == ("max_code_calls", 4, 2)
+    refused = by_branch[1].turns[2].tool_call
+    assert (refused.status, refused.content) == (REFUSED, NO_CALLS_LEFT)
+    assert NO_CALLS_LEFT in hermes.tokenizer.decode(by_branch[1].turns[3].prompt_tokens)
+    assert by_branch[0].turns[3].tool_call is None  # the second call without calls left is not answered again

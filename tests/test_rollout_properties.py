@@ -7,7 +7,7 @@ from retool.config.rollout import RolloutConfig, seed_field
 from retool.data.examples import MathExample
 from retool.rollout.datums import trajectory_sequence
 from retool.rollout.in_memory import rollout_in_memory
-from retool.rollout.state import STOP_REASONS
+from retool.rollout.state import REFUSED, STOP_REASONS
 from retool.sampling.scripted import ScriptedSampler
 from tests.helpers import InstantSandbox, completion, tool_call_text
 
@@ -44,6 +44,7 @@ def behaviour_text(name: str, question: int, turn: int, tool_format: str) -> tup
     max_assistant_tokens=st.integers(1, 300),
     max_tool_response_tokens=st.integers(1, 200),
     step=st.integers(0, 5),
+    calls_spent=st.sampled_from(["end", "answer_turn"]),
 )
 def test_any_behaviour_ends_every_trajectory_with_the_invariants(
     protocol,
@@ -56,6 +57,7 @@ def test_any_behaviour_ends_every_trajectory_with_the_invariants(
     max_assistant_tokens,
     max_tool_response_tokens,
     step,
+    calls_spent,
 ):
     config = RolloutConfig(
         group_size=group_size,
@@ -66,6 +68,7 @@ def test_any_behaviour_ends_every_trajectory_with_the_invariants(
         max_tool_response_tokens=max_tool_response_tokens,
         min_tool_response_tokens=min(8, max_tool_response_tokens),
         trainer_max_tokens=2048,
+        calls_spent=calls_spent,
     )
     examples = [
         MathExample(f"q{i}", f"Question {i}: what is {i}+{i}?" + " Think." * (60 * (i == 2)), str(2 * i), "t")
@@ -91,8 +94,11 @@ def test_any_behaviour_ends_every_trajectory_with_the_invariants(
     for trajectory in trajectories:
         assert trajectory.done and trajectory.stop_reason in STOP_REASONS
         assert trajectory.reward in (1.0, -1.0) and trajectory.advantage is not None
-        assert len(trajectory.turns) <= max_turns and trajectory.code_calls <= max_code_calls
-        assert trajectory.code_calls == sum(1 for t in trajectory.turns if t.tool_call and t.tool_call.content)
+        refused = [t for t in trajectory.turns if t.tool_call and t.tool_call.status == REFUSED]
+        assert len(refused) <= (calls_spent == "answer_turn") and trajectory.code_calls <= max_code_calls
+        assert len(trajectory.turns) <= max_turns + len(refused)  # a refused call's one more turn
+        ran = [t for t in trajectory.turns if t.tool_call and t.tool_call.content and t.tool_call.status != REFUSED]
+        assert trajectory.code_calls == len(ran)
         if trajectory.turns:
             # Out of budget after an observation, no answer turn followed: the seed's empty final text.
             ended_unanswered = trajectory.stop_reason == "token_budget" and trajectory.turns[-1].tool_call is not None

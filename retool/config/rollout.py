@@ -56,6 +56,10 @@ class RolloutConfig:
     group_size: int = 8  # trajectories sampled per question (the GRPO group)
     max_code_calls: int = 4  # tool observations a trajectory may receive
     max_assistant_turns: int = 6  # assistant generations a trajectory may have
+    # A call asked for with no calls left: end | answer_turn. end: the trajectory ends there (the seed's rule);
+    # answer_turn: the call is not run, the model reads that no calls are left and gets one more turn (past
+    # max_assistant_turns, within the token budgets) to answer, once a trajectory
+    calls_spent: str = "end"
     max_trajectory_tokens: int = 8192  # prompt + everything appended to it
     max_assistant_tokens: int = 1024  # tokens one assistant turn may generate
     max_tool_response_tokens: int = 512  # tokens one tool observation may hold
@@ -88,6 +92,7 @@ class RolloutConfig:
             require(
                 self, name, isinstance(value, int) and not isinstance(value, bool) and value > 0, "a positive integer"
             )
+        require(self, "calls_spent", self.calls_spent in ("end", "answer_turn"), "end or answer_turn")
         require(self, "eval_shard_sequences", self.eval_shard_sequences >= 0, ">= 0")
         require(self, "max_staleness", self.max_staleness >= 0, ">= 0 (0: on-policy)")
         within = self.max_trajectory_tokens <= self.trainer_max_tokens
@@ -103,7 +108,8 @@ class RolloutConfig:
         require(self, "temperature", self.temperature > 0, "> 0")
         require(self, "top_p", 0 < self.top_p <= 1, "in (0, 1]")
         # The seed layout's fields these settings fill: a branch index up to group_size - 1, a turn up to the last.
-        limits = {"seed": ("seed", 0), "group_index": ("group_size", 1), "turn": ("max_assistant_turns", 1)}
+        last_turn = 0 if self.calls_spent == "answer_turn" else 1  # answer_turn: one turn past the last
+        limits = {"seed": ("seed", 0), "group_index": ("group_size", 1), "turn": ("max_assistant_turns", last_turn)}
         for name, bits in SEED_FIELDS:
             if name in limits:
                 setting, offset = limits[name]

@@ -7,6 +7,7 @@ from pathlib import Path
 import polars as pl
 
 from retool.files.layout import METRICS_FILE, OBSERVATIONS_FILE, SUMMARY_FILE, TRAJECTORIES_FILE, RunFolder
+from retool.rollout.state import REFUSED
 
 
 def _scan(paths: list[Path]) -> pl.LazyFrame | None:
@@ -34,7 +35,7 @@ def tool_success_by_round(run: str | Path) -> pl.DataFrame:
     if scan is None:
         return _empty(step=pl.Int32, round=pl.Int32, calls=pl.UInt32)
     return (
-        scan.filter(pl.col("call_id").is_not_null())
+        scan.filter(pl.col("call_id").is_not_null() & (pl.col("exec_status") != REFUSED))
         .group_by("step", "round")
         .agg(
             pl.len().alias("calls"),

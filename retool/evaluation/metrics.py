@@ -16,7 +16,7 @@ from retool.files.atomic import write_text_atomically
 from retool.files.tables import OBSERVATIONS, TRAJECTORIES, read_table, write_table_atomically
 from retool.recoveries import CAUSES
 from retool.rollout.scoring import zero_variance_groups
-from retool.rollout.state import STOP_REASONS
+from retool.rollout.state import REFUSED, STOP_REASONS
 from retool.training.record import StepMetrics
 
 # The stages of a training step, by the names their wall times are recorded under (the pipeline's tasks):
@@ -92,7 +92,7 @@ def step_metrics(
     rows = trajectories.to_pylist()
     valid = [r for r in rows if r["valid_format"]]
     turns = [r for r in observations.to_pylist() if r["kind"] is not None]
-    calls = [r for r in turns if r["exec_status"] is not None]
+    calls = [r for r in turns if r["exec_status"] not in (None, REFUSED)]  # calls the sandbox ran
     attempted = [r for r in turns if r["kind"] in ("tool", "invalid")]
     metrics = {
         "step": step,

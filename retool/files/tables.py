@@ -57,7 +57,7 @@ OBSERVATIONS = pa.schema(
         ("kind", pa.string()),  # tool | answer | invalid; null when the round had no budget to sample
         ("code", pa.string()),  # the code run, for an executed call
         ("call_id", pa.string()),
-        ("exec_status", pa.string()),  # ok | error | timeout
+        ("exec_status", pa.string()),  # ok | error | timeout | refused (no calls left: not run)
         ("exec_seconds", pa.float32()),
         ("tool_content", pa.string()),  # the observation as appended ("" when it did not fit)
         ("next_prompt_tokens", TOKENS),  # P(i+1); null once done

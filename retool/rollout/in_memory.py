@@ -14,6 +14,7 @@ from retool.rollout.state import (
     Trajectory,
     apply_results,
     apply_samples,
+    execute,
     plan_requests,
     sampling_settings,
     start_trajectories,
@@ -42,7 +43,7 @@ def rollout_in_memory(
     while requests := plan_requests(trajectories, protocol, config, step):
         replies = sample_checked(sampler, requests, settings)
         pendings = apply_samples(trajectories, requests, replies, protocol, config)
-        apply_results(pendings, sandbox.run_many([p.code for p in pendings]), sandbox, protocol, config)
+        apply_results(pendings, execute(pendings, sandbox), sandbox, protocol, config)
         if on_round:
             on_round(round_index, trajectories)
         round_index += 1

@@ -26,9 +26,11 @@ from retool.rollout.rows import (
 )
 from retool.rollout.scoring import end_step
 from retool.rollout.state import (
+    REFUSED,
     Trajectory,
     apply_results,
     apply_samples,
+    execute,
     plan_requests,
     sampling_settings,
     turn_text,
@@ -106,7 +108,7 @@ def observations_table(
     pendings = apply_samples(
         trajectories, requests, _replies_from_samples(requests, samples, round_index), protocol, config
     )
-    apply_results(pendings, sandbox.run_many([p.code for p in pendings]), sandbox, protocol, config)
+    apply_results(pendings, execute(pendings, sandbox), sandbox, protocol, config)
     return table_from_rows([observation_row(t, step, round_index) for t in live], OBSERVATIONS)
 
 
@@ -172,7 +174,7 @@ def describe_samples(samples: pa.Table) -> str:
 def describe_observations(observations: pa.Table) -> str:
     if not observations.num_rows:
         return "no rows (no trajectory was live)"
-    statuses = [s for s in observations.column("exec_status").to_pylist() if s]
+    statuses = [s for s in observations.column("exec_status").to_pylist() if s and s != REFUSED]
     done = sum(observations.column("done").to_pylist())
     calls = f"{len(statuses)} tool calls ({statuses.count('ok')} ok)"
     return f"{observations.num_rows} trajectories, {calls}, {done} ended"

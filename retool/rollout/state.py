@@ -38,13 +38,15 @@ STOP_REASONS = (
     "prompt_over_budget",
 )
 TRUNCATION_MARKER = "[... truncated ...]\n"
+REFUSED = "refused"  # ToolCall.status of a call asked for with no calls left ([rollout] calls_spent = answer_turn)
+NO_CALLS_LEFT = "No code calls are left: do not call the tool again. Give the final answer now, as \\boxed{answer}."
 
 
 @dataclass(frozen=True)
 class ToolCall:
     call_id: str  # code-{question}-{branch}-{n}
     code: str  # what the sandbox ran
-    status: str  # ok | error | timeout
+    status: str  # ok | error | timeout; refused: not run, no calls left (answered by NO_CALLS_LEFT)
     seconds: float  # sandbox wall time
     content: str  # the observation as appended (after neutralising and truncation); "" if it did not fit
 
@@ -126,6 +128,7 @@ class PendingExecution:
     assistant_text: str  # scored as the final text if the observation cannot be appended
     prompt_tokens: list[int]  # P(i)
     completion_tokens: list[int]  # C(i)
+    refused: bool = False  # asked for with no calls left: not run, answered by NO_CALLS_LEFT (see answer_turn_left)
 
 
 def sampling_settings(config: RolloutConfig, protocol: ChatProtocol) -> SamplingSettings:
@@ -156,6 +159,14 @@ def can_code(trajectory: Trajectory, config: RolloutConfig, turns_after_this: in
     """The reference's can_code rule: a tool call runs only while the trajectory has calls left and
     the turn is not its last allowed one (so an answer turn can still follow the observation)."""
     return trajectory.code_calls < config.max_code_calls and turns_after_this < config.max_assistant_turns
+
+
+def answer_turn_left(trajectory: Trajectory, config: RolloutConfig) -> bool:
+    """[rollout] calls_spent = answer_turn: a call asked for with every call spent is answered by NO_CALLS_LEFT and
+    one more turn, once a trajectory (a call in that turn ends it, as the seed ends every such call)."""
+    spent = trajectory.code_calls >= config.max_code_calls
+    refused = any(turn.tool_call is not None and turn.tool_call.status == REFUSED for turn in trajectory.turns)
+    return config.calls_spent == "answer_turn" and spent and not refused
 
 
 def turn_budget(trajectory: Trajectory, protocol: ChatProtocol, config: RolloutConfig) -> int:
@@ -246,13 +257,15 @@ def begin_advance(
     if parsed.kind != "tool":
         trajectory.end(stop_reason_of(parsed.kind, text, sequence, request, config), text)
         return None
-    if not can_code(trajectory, config, turns_after_this=len(trajectory.turns)):
+    refused = not can_code(trajectory, config, turns_after_this=len(trajectory.turns))
+    if refused and not answer_turn_left(trajectory, config):
         trajectory.end("max_code_calls" if trajectory.code_calls >= config.max_code_calls else "max_turns", text)
         return None
     call_id = f"code-{trajectory.question_index}-{trajectory.group_index}-{trajectory.code_calls + 1}"
     return PendingExecution(
-        trajectory, parsed.code, call_id, messages_before_assistant, text, turn.prompt_tokens, turn.completion_tokens
-    )
+        trajectory, parsed.code, call_id, messages_before_assistant, text, turn.prompt_tokens, turn.completion_tokens,
+        refused,
+    )  # fmt: skip
 
 
 def apply_samples(
@@ -329,11 +342,17 @@ def finish_advance(
     appended = fitted[0] if fitted else ""
     trajectory.turns[-1].tool_call = ToolCall(pending.call_id, pending.code, result.status, result.seconds, appended)
     if fitted is None:
-        trajectory.end("observation_over_budget", pending.assistant_text)
+        trajectory.end("max_code_calls" if pending.refused else "observation_over_budget", pending.assistant_text)
         return
     trajectory.messages.append(protocol.tool_message(appended, pending.call_id))
     trajectory.next_prompt_tokens = fitted[1]
-    trajectory.code_calls += 1
+    trajectory.code_calls += 0 if pending.refused else 1  # observations of code that ran
+
+
+def execute(pendings: Sequence[PendingExecution], sandbox: Sandbox) -> list[ExecutionResult]:
+    """The round's calls run concurrently, their results in order; a refused call is not run."""
+    ran = iter(sandbox.run_many([pending.code for pending in pendings if not pending.refused]))
+    return [ExecutionResult(REFUSED, "", "", 0.0, None) if pending.refused else next(ran) for pending in pendings]
 
 
 def apply_results(
@@ -344,5 +363,5 @@ def apply_results(
     config: RolloutConfig,
 ) -> None:
     for pending, result in zip(pendings, results, strict=True):
-        content = neutralise(sandbox.observation(result), protocol.forbidden_strings)
-        finish_advance(pending, result, content, protocol, config)
+        observed = NO_CALLS_LEFT if pending.refused else sandbox.observation(result)
+        finish_advance(pending, result, neutralise(observed, protocol.forbidden_strings), protocol, config)
