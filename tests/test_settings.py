@@ -177,9 +177,11 @@ def test_making_a_task_has_no_effect_and_the_run_is_set_up_once_when_luigi_first
     assert sorted(settings.run_dir.rglob("*")) == before  # once per process: asked again, nothing is written
 
 
-def test_the_cpu_configuration_keeps_the_short_system_prompt_and_the_recipe_has_the_seeds():
+def test_the_recipe_and_the_cpu_configuration_state_the_seeds_rules():
+    """The CPU run takes the recipe's prompt (measured against the short built-in one: docs/training.md)."""
     parser = configparser.ConfigParser()
     parser.read([REPO / "luigi.cfg"])
-    assert "do not read or write files" in parser["model"]["system_prompt"]
+    recipe = parser["model"]["system_prompt"]
+    assert "do not read or write files" in recipe and "Never call the tool and give the final" in recipe
     parser.read([REPO / "configs/cpu.cfg"])  # layered on top, as make run does
-    assert parser["model"]["system_prompt"] == ""
+    assert parser["model"]["system_prompt"] == recipe
