@@ -188,3 +188,22 @@ def fault_proxy(target: str, fault_of, hang_seconds: float = 0.0) -> http.server
     server.daemon_threads, server.block_on_close = True, False
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
+
+
+def start_serve(config: Path, runs: Path, run_name: str = "served"):
+    """`python -m retool serve` for `run_name` under `config`, once it has recorded its servers: (the process, the
+    run's record in `runs`)."""
+    import subprocess
+    import sys
+    import time
+
+    from retool.files.layout import RunFolder
+
+    command = [sys.executable, "-m", "retool", "serve", "--config", str(config), "--run-name", run_name]
+    serve = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    record = RunFolder(runs / run_name).server_record
+    deadline = time.monotonic() + 600
+    while not record.exists() and serve.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert record.exists(), serve.communicate(timeout=60)[0]
+    return serve, record

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from retool.files.layout import RunFolder
-from tests.helpers import REPO, fault_proxy
+from tests.helpers import REPO, fault_proxy, start_serve
 from tests.test_faults import assert_same_outputs, outputs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -85,13 +85,7 @@ def served(tiny_model_dir, tmp_path_factory):
     """`python -m retool serve` for the run "served", on its own port: (its config, its port, the process)."""
     folder, port = tmp_path_factory.mktemp("served"), free_port()
     config = write_config(folder, tiny_model_dir, port)
-    command = [sys.executable, "-m", "retool", "serve", "--config", str(config), "--run-name", "served"]
-    serve = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    record = RunFolder(folder / "runs/served").server_record
-    deadline = time.monotonic() + 600
-    while not record.exists() and serve.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert record.exists(), serve.communicate(timeout=60)[0]
+    serve, _ = start_serve(config, folder / "runs")
     yield config, port, serve
     serve.terminate()
     serve.communicate(timeout=120)

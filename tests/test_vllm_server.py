@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import luigi
 import pytest
@@ -23,7 +22,7 @@ from retool.sampling.server import start_server, stop_server
 from retool.sampling.server_client import ServerSampler
 from retool.weights.checkpoint import Checkpoint
 from tests.conftest import REPO
-from tests.helpers import fake_vllm_server
+from tests.helpers import fake_vllm_server, start_serve
 from tests.pipeline_helpers import TRAIN, step_dir
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -227,13 +226,7 @@ def test_serve_stops_with_its_vllm_processes_on_a_signal_and_removes_its_record(
         "max_tool_response_tokens = 48\ntrainer_max_tokens = 1024\n[data]\nquestions_per_step = 2\n"
         f"[sampler]\nengine = vllm-server\nserver_port = {port}\n"
     )
-    command = [sys.executable, "-m", "retool", "serve", "--config", str(config), "--run-name", "served"]
-    serve = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    record = RunFolder(tmp_path / "served").server_record
-    deadline = time.monotonic() + 300
-    while not record.exists() and serve.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert record.exists(), serve.communicate(timeout=60)[0]
+    serve, record = start_serve(config, tmp_path)
     server_pid = json.loads(record.read_text())["servers"][0]["pid"]
     group = [p.pid for p in psutil.process_iter(["pid"]) if _group_of(p.pid) == server_pid]
     assert server_pid in group
