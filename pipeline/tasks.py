@@ -145,7 +145,7 @@ class RunTask(luigi.Task):
     def all_rounds(self) -> list[list[dict[str, luigi.Task]]]:
         """Every round of every shard of the step."""
         rollout = self.rollout
-        return [self.rounds(shard, rollout.max_assistant_turns) for shard in range(rollout.shards)]
+        return [self.rounds(shard, rollout.rounds) for shard in range(rollout.shards)]
 
     def page(self) -> dict[str, luigi.Task]:
         """The stages whose files draw training step `step`'s trajectory page (see `page_files`)."""

@@ -31,7 +31,9 @@ def without(table: pa.Table, column: str) -> pa.Table:
 
 
 @pytest.mark.parametrize(
-    "rollout", [{}, {"max_code_calls": 1, "calls_spent": "answer_turn"}], ids=["calls spent end", "an answer turn"]
+    "rollout",
+    [{}, {"max_code_calls": 1, "max_assistant_turns": 2, "calls_spent": "answer_turn"}],
+    ids=["calls spent end", "an answer turn past the last"],
 )
 def test_pipeline_parquet_equals_the_in_memory_rollout(configure, monkeypatch, rollout):
     settings = configure("equal", rollout=rollout)
@@ -99,6 +101,9 @@ def test_pipeline_parquet_equals_the_in_memory_rollout(configure, monkeypatch, r
     assert any(row["tool_content"] for row in actual_observations.to_pylist())
     refused = [row for row in actual_observations.to_pylist() if row["exec_status"] == REFUSED]
     assert bool(refused) == bool(rollout) and all(row["tool_content"] == NO_CALLS_LEFT for row in refused)
+    assert any(row["round"] == settings.rollout.max_assistant_turns for row in actual_observations.to_pylist()) == bool(
+        rollout
+    )  # a round past the last turn: the answer turn
 
 
 def test_deleting_one_output_reruns_only_it_and_downstream(configure, monkeypatch):

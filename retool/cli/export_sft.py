@@ -53,7 +53,7 @@ def export_stage(settings: RunSettings, steps: Sequence[int], out: Path) -> Expo
         scores = read_table(folder.trajectories, TRAJECTORIES).to_pylist()
         correct = {(row["question_index"], row["group_index"]) for row in scores if row["correct"]}
         total += len(scores)
-        rounds = [folder.rounds(shard, rollout.max_assistant_turns) for shard in range(rollout.shards)]
+        rounds = [folder.rounds(shard, rollout.rounds) for shard in range(rollout.shards)]
         for trajectory in replay_shards(folder.prompts, rounds, protocol, rollout):
             if (trajectory.question_index, trajectory.group_index) not in correct:
                 continue

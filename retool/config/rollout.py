@@ -76,6 +76,11 @@ class RolloutConfig:
     # Luigi workers to spare it samples while step N-1 trains (see behaviour_step; 0: on-policy, strictly in turn)
     max_staleness: int = 0
 
+    @property
+    def rounds(self) -> int:
+        """The rounds a step's rollout may take: one a turn, and with calls_spent = answer_turn the turn after it."""
+        return self.max_assistant_turns + (self.calls_spent == "answer_turn")
+
     def __post_init__(self) -> None:
         for name in (
             "group_size",
