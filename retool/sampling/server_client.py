@@ -242,22 +242,21 @@ class ServerSampler:
                     raise SamplerFailure(f"{error}{tries}") from None
                 note_recovery(error.cause)
                 if error.cause == "sampler_connection" and self.revive is not None and not is_healthy(self.url):
-                    self._revive_server(revived)
+                    self._revive_server(revived, self.policy)
                 else:
                     delay = self.backoff_seconds * 2 ** (attempt - 1)
                     log.warning("%s; retry %d/%d in %.0f s", error, attempt, self.attempts - 1, delay)
                     time.sleep(delay)
         raise AssertionError("unreachable")
 
-    def _revive_server(self, seen: int, policy: Policy | None = ...) -> None:
-        """Once per death, whichever call saw it first: waits for the server (see `revive`), then loads `policy`
-        (by default this process's) on it again: a new server holds only its own model."""
+    def _revive_server(self, seen: int, policy: Policy | None) -> None:
+        """Once per death, whichever call saw it first: waits for the server (see `revive`), then loads `policy` on
+        it again: a new server holds only its own model."""
         with self._revive_lock:
             if self._revived != seen:  # another call revived it meanwhile
                 return
             self.revive(self.url)
             note_recovery("sampler_server_restart")
-            policy = self.policy if policy is ... else policy
             self.policy, self.model, self.weights = None, self.base_model, Path(self.base_model)
             self.use_policy(policy)
             self._revived += 1
