@@ -52,7 +52,10 @@ def main() -> None:
     learning.add_argument("--steps", type=int, default=LEARNING_STEPS, help="RL steps (default: %(default)s)")
     learning.add_argument("--samples", type=int, default=LEARNING_SAMPLES, help="evaluation samples per question")
     learning.add_argument(
-        "--reuse", type=Path, help="an earlier learning run whose cold start and base/SFT scores to reuse"
+        "--reuse",
+        type=Path,
+        help="an earlier learning run whose cold start to reuse, and its SFT scores where no "
+        "[rollout], [sampler], [sandbox] or [model] setting changes",
     )
     learning.add_argument("--against", type=Path, help="an earlier learning run to pair the final policy with")
     parser.add_argument("--out", type=Path, help="keep the benchmarks' run folders here (default: a temporary folder)")

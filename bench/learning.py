@@ -34,12 +34,20 @@ def parse_overrides(assignments: list[str]) -> dict[str, dict[str, str]]:
     return sections
 
 
-def reuse_cold_start(earlier: Path, run: Path) -> None:
-    """The cold start and the evaluations of the base and SFT policies of `earlier`, copied into `run`."""
+# Sections whose settings an evaluation runs under (its budgets, sampler, sandbox, prompt): where an override
+# changes one, the reused cold start is evaluated again under it.
+EVALUATION_SECTIONS = ("rollout", "sampler", "sandbox", "model")
+
+
+def reuse_cold_start(earlier: Path, run: Path, evaluations: bool = True) -> None:
+    """The cold start of `earlier` copied into `run`, with the evaluations of its base and SFT policies if
+    `evaluations`."""
     if not (earlier / "sft" / "checkpoint" / "_SUCCESS").exists():
         raise SystemExit(f"--reuse {earlier}: no finished cold start there")
     shutil.copytree(earlier / "sft", run / "sft", dirs_exist_ok=True)
-    for label in ("base", "sft"):  # under checkpoint=<label>, or step=<label> in runs made before
+    for label in (
+        ("base", "sft") if evaluations else ()
+    ):  # under checkpoint=<label>, or step=<label> in runs made before
         for evaluation in [*earlier.glob(f"eval/*/*/checkpoint={label}"), *earlier.glob(f"eval/*/*/step={label}")]:
             copy = run / evaluation.parent.relative_to(earlier) / f"checkpoint={label}"
             shutil.copytree(evaluation, copy, dirs_exist_ok=True)
@@ -62,7 +70,8 @@ def bench_learning(
     sections["run"] = {**sections.get("run", {}), "runs_dir": str(workdir), "name": "learning"}
     settings = settings.changed(**sections)
     if reuse is not None:
-        reuse_cold_start(reuse, settings.run_dir)
+        evaluated_alike = not set(EVALUATION_SECTIONS) & parse_overrides(list(overrides)).keys()
+        reuse_cold_start(reuse, settings.run_dir, evaluations=evaluated_alike)
     wall = luigi_build(settings, BeforeAfter, step=steps - 1, n=samples)
     task = BeforeAfter(step=steps - 1, n=samples)
     metrics = metrics_by_step(settings.run_dir)
@@ -75,12 +84,15 @@ def bench_learning(
         ("peak resident memory", _peak_memory()),
     ]
     table = Path(task.output().path).read_text()
-    group = ""
+    group, policies = "", False  # the table's rows of one policy each, after its lead table of changes
     for line in table.splitlines():
         cells = [cell.strip() for cell in line.split("|")[1:-1]]
-        if len(cells) > 2 and cells[1] not in ("policy", "---"):
+        policies = policies or cells[1:2] == ["policy"]
+        if policies and len(cells) > 2 and cells[1] not in ("policy", "---"):
             group = cells[0] or group
             rows.append((f"  {group.split(' (')[0]}: {cells[1]}", " | ".join(cells[2:])))
+        elif not policies and len(cells) > 2 and not cells[0].startswith(("questions", "---")):
+            rows.append((f"  {cells[0]}: change", " | ".join(cells[1:])))
         elif "paired" in line:
             rows.append(("paired", line))
     rows += _stage_seconds(settings.run_dir)

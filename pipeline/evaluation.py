@@ -74,17 +74,28 @@ class Report(RunTask):
 
 
 class BeforeAfter(EvaluationTask):
-    """Training through step `step`, then the base model, the cold-start checkpoint (if the run has
-    one) and checkpoint `step` evaluated on the same held-out questions: a before/after table in the
+    """Training through step `step`, then the cold-start checkpoint (the base model in a run without one, or
+    with --base) and checkpoint `step` evaluated on the same held-out questions: a before/after table in the
     evaluations' folder, printed, and the run's report with the evaluations."""
 
+    # Not by default where there is a cold start: the base model has not learnt the answer's format and scores 0.
+    base = luigi.BoolParameter(default=False, description="also evaluate the base model (always without a cold start)")
+
     def evaluations(self) -> list[tuple[str, Evaluate]]:
+        cold_start = bool(self.settings.cold_start.data)
         policies = (
-            [("base", -1, False)]
-            + ([("SFT", -1, True)] if self.settings.cold_start.data else [])
+            ([("base", -1, False)] if self.base or not cold_start else [])
+            + ([("SFT", -1, True)] if cold_start else [])
             + [(f"RL step {self.step}", self.step, False)]
         )
         return [(label, self.clone(Evaluate, step=step, sft=sft)) for label, step, sft in policies]
+
+    def complete(self):
+        """The table, with a row of every policy asked for (a table made without --base lacks the base model's)."""
+        if not super().complete():
+            return False
+        table = Path(self.output().path).read_text()
+        return all(f"| {label} |" in table for label, _ in self.evaluations())
 
     def requires(self):
         evaluations = [task for _, task in self.evaluations()]

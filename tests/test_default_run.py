@@ -69,12 +69,17 @@ def test_the_default_run_cold_starts_updates_every_step_and_compares(tmp_path, d
 
     (table_path,) = run.glob("eval/heldout-*/retool-n2/before_after-step=0001.md")  # the file's name and content
     table = table_path.read_text()
-    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.splitlines()[2:11]]
-    assert [row[1] for row in rows] == ["base", "SFT", "RL step 1"] * 3
-    assert [rows[i][0].split(" (")[0] for i in (0, 3, 6)] == ["sft families", "rl families", "held-out families"]
-    for checkpoint in ("base", "sft", "step0001"):  # each evaluated checkpoint's summary, on the 6 questions
+    lines = table.splitlines()
+    changes = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[2:5]]  # it leads with RL - SFT
+    assert lines[0].startswith("| questions | RL step 1 - SFT (Average@2) | Format SFT → RL step 1 |")
+    assert [row[0].split(" (")[0] for row in changes] == ["sft families", "rl families", "held-out families"]
+    first = lines.index(next(line for line in lines if line.startswith("| questions | policy |")))
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[first + 2 : first + 8]]
+    assert [row[1] for row in rows] == ["SFT", "RL step 1"] * 3  # the base model only when asked for
+    for checkpoint in ("sft", "step0001"):  # each evaluated checkpoint's summary, on the 6 questions
         (summary,) = run.glob(f"eval/heldout-*/retool-n2/checkpoint={checkpoint}/summary.parquet")
         assert pl.read_parquet(summary)["questions"].sum() == 6, checkpoint
-    assert "rl families: RL step 1 - SFT" in table and "held-out families: RL step 1 - base" in table
+    assert not list(run.glob("eval/heldout-*/retool-n2/checkpoint=base"))
+    assert "rl families: RL step 1 - SFT" in table and "RL step 1 - base" not in table
     assert table in result.stdout
     assert (run / "report" / "step=0001" / "diagnostics.png").exists()

@@ -116,11 +116,34 @@ def _rate(mean: float, half_width: float) -> str:
     return "—" if math.isnan(mean) else f"{mean:.3f} ± {half_width:.3f}"
 
 
+def budget_stop_share(summary: dict) -> float:
+    """The share of trajectories a budget ended (calls, turns or tokens spent), neither answered nor invalid."""
+    stopped = sum(summary[f"stop_{reason}"] for reason in STOP_REASONS if reason not in ("answer", "invalid"))
+    return stopped / summary["generations"] if summary["generations"] else float("nan")
+
+
 def before_after_markdown(groups: list[tuple[str, list[tuple[str, dict]], list[tuple[str, tuple]]]]) -> str:
-    """The comparison `make run` ends with: for each group of questions, one row per policy, then the
-    paired differences. `groups`: (label, [(policy, summary)], [(difference label, paired difference)])."""
+    """The comparison `make run` ends with. First the change per group of questions: the last policy minus each
+    earlier one (the nearest first), paired question by question, and how Format and the budget stops moved from
+    the nearest; then one row per policy; then the paired differences in words. `groups`: (label, [(policy,
+    summary)], [(difference label, paired difference)]), the policies in order, the last the final one."""
     n = groups[0][1][0][1]["n"]
+    differences = [difference for difference, _ in reversed(groups[0][2])]
+    final, nearest = groups[0][1][-1][0], groups[0][1][-2][0]
     lines = [
+        f"| questions | {' | '.join(f'{name} (Average@{n})' for name in differences)} | Format {nearest} → {final} "
+        f"| budget stops {nearest} → {final} |",
+        "|---" * (len(differences) + 3) + "|",
+    ]
+    for label, summaries, paired in groups:
+        before, after = summaries[-2][1], summaries[-1][1]
+        changes = " | ".join(f"{mean:+.3f} ± {half_width:.3f}" for _, (mean, half_width, _) in reversed(paired))
+        lines.append(
+            f"| {label} ({after['questions']}) | {changes} | {before['format']:.3f} → {after['format']:.3f} | "
+            f"{budget_stop_share(before):.3f} → {budget_stop_share(after):.3f} |"
+        )
+    lines += [
+        "",
         f"| questions | policy | Average@{n} | Pass@{n} | Format | correct of valid | valid code call | tool calls |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -134,8 +157,8 @@ def before_after_markdown(groups: list[tuple[str, list[tuple[str, dict]], list[t
                 f"{s['code_calls']:.2f} ± {s['code_calls_ci']:.2f} |"
             )
     lines.append("")
-    for label, _, differences in groups:
-        for difference, (mean, half_width, questions) in differences:
+    for label, _, paired in groups:
+        for difference, (mean, half_width, questions) in paired:
             lines.append(
                 f"{label}: {difference}: Average@{n} {mean:+.3f} ± {half_width:.3f} (95 % interval of the paired "
                 f"difference over {questions} questions)"
