@@ -132,7 +132,10 @@ def exponent(points: list[tuple[float, float]]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
-STAGE_ORDER = ("Prompts", "SampleRound", "ExecuteRound", "ScoreTrajectories", "BuildDatums", "TrainStep (plan only)")
+STAGE_ORDER = (
+    "Prompts", "SampleRound", "ExecuteRound", "ScoreShard", "ScoreTrajectories", "ShardDatums", "BuildDatums",
+    "TrainStep (plan only)",
+)  # fmt: skip
 
 
 def bench_scale(workdir: Path, sizes=SIZES, workers: tuple[int, ...] = (1, 2), luigid: bool = True, long: bool = True):
@@ -236,7 +239,7 @@ NODE_CORES = 64  # CPU cores for Luigi's workers beside the GPUs (an 8-GPU node 
 GENERATION_TOKENS_PER_SECOND = 20_000  # per GPU: vLLM decoding a 4B model at large batch
 TRAINING_FLOPS_PER_TOKEN = 8 * 4e9  # forward and backward (6N) and the metrics pass after the update (2N), N = 4e9
 GPU_FLOPS = 989e12 * 0.4  # an H100's dense bfloat16 peak at 40 % utilisation
-PARALLEL_STAGES = ("SampleRound", "ExecuteRound")  # one task per shard and round: they spread over the workers
+PARALLEL_STAGES = ("SampleRound", "ExecuteRound", "ScoreShard", "ShardDatums")  # tasks per shard: over the workers
 
 
 FORK_PROBE = """

@@ -1,41 +1,47 @@
-"""BuildDatums: the trajectories of the groups that train, as the trainer's token rows -> datums.parquet."""
+"""ShardDatums: one shard's trajectories of the groups that train, as the trainer's token rows ->
+shard=NN/datums.parquet; BuildDatums: the shards' together -> datums.parquet."""
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from pathlib import Path
 
+import pyarrow as pa
+
 from retool.config.settings import StageSettings
 from retool.files.layout import RoundPaths
-from retool.files.tables import TRAJECTORIES, read_table, write_table_atomically
-from retool.rollout.datums import datums_to_table, in_file_types
+from retool.files.tables import DATUMS, TRAJECTORIES, read_table, write_table_atomically
+from retool.rollout.datums import datums_to_table
 from retool.rollout.replay import replay_files, shard_of
-from retool.rollout.stage_tables import describe_datums, trained_datums
+from retool.rollout.stage_tables import describe_datums, in_question_order, trained_datums
 from retool.run.shared import protocol_for
 
+SCORE_COLUMNS = ["question_index", "group_index", "advantage", "kept", "masked"]  # what a datum takes of its score
 
-def build_datums(
+
+def shard_datums(
     prompts: Path,
-    shards: Sequence[Sequence[RoundPaths]],
+    rounds: Sequence[RoundPaths],
     trajectories: Path,
     out: Path,
     stage: StageSettings,
     step: int,
+    shard: int,
 ) -> str:
-    """`shards`: every round of every shard; `trajectories`: the step's scores, advantages and kept groups. One shard
-    is replayed at a time (a question's group lies in one shard): the process holds one shard's round files and the
-    step's datums, in the file's types, which the shards' (question, branch) orders merge into the file's."""
+    """`rounds`: every round of shard `shard`; `trajectories`: the step's scores, advantages and kept groups. The
+    process holds one shard's round files and its datums, in the file's types."""
     settings = stage.settings
-    scored, protocol = read_table(trajectories, TRAJECTORIES), protocol_for(settings.model)
-    in_shard = shard_of(scored.column("question_index").to_numpy(), len(shards))  # each score's shard
-    datums = []
-    for shard, rounds in enumerate(shards):
-        replayed = replay_files(prompts, rounds, protocol, settings.rollout, shard)
-        built = trained_datums(replayed, scored.filter(in_shard == shard), settings.rollout.trainer_max_tokens)
-        datums.append([in_file_types(datum) for datum in built])
-    table = datums_to_table(
-        list(heapq.merge(*datums, key=lambda d: (d.question_index, d.group_index))), step, stage.sampled_by
-    )
+    scored = read_table(trajectories, TRAJECTORIES, SCORE_COLUMNS)
+    in_shard = shard_of(scored.column("question_index").to_numpy(), settings.rollout.shards) == shard
+    replayed = replay_files(prompts, rounds, protocol_for(settings.model), settings.rollout, shard)
+    datums = trained_datums(replayed, scored.filter(in_shard), settings.rollout.trainer_max_tokens)
+    table = datums_to_table(datums, step, stage.sampled_by)
+    write_table_atomically(table, out)
+    return describe_datums(table)
+
+
+def build_datums(shards: Sequence[Path], out: Path) -> str:
+    """`shards`: every shard's datums.parquet, merged in (question, branch) order."""
+    table = in_question_order(pa.concat_tables([read_table(path, DATUMS) for path in shards]))
     write_table_atomically(table, out)
     return describe_datums(table)

@@ -11,7 +11,9 @@ from pipeline.tasks import (  # noqa: F401
     ExecuteRound,
     Prompts,
     SampleRound,
+    ScoreShard,
     ScoreTrajectories,
     SFTExamples,
+    ShardDatums,
     TrainStep,
 )

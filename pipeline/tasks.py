@@ -8,12 +8,12 @@ from pathlib import Path
 
 import luigi
 
-from jobs.build_datums import build_datums
+from jobs.build_datums import build_datums, shard_datums
 from jobs.cold_start import cold_start
 from jobs.execute_round import execute_round
 from jobs.prompts import prompts
 from jobs.sample_round import sample_round
-from jobs.score_trajectories import score_trajectories
+from jobs.score_trajectories import score_shard, score_trajectories
 from jobs.sft_examples import sft_examples
 from jobs.train_step import train_step
 from pipeline.config import EvalSpecParameter, current_settings
@@ -149,8 +149,12 @@ class RunTask(luigi.Task):
 
     def page(self) -> dict[str, luigi.Task]:
         """The stages whose files draw training step `step`'s trajectory page (see `page_files`)."""
-        datums = self.clone(BuildDatums)
-        return {**datums.requires(), "datums": datums}
+        return {
+            "prompts": self.clone(Prompts),
+            "shards": self.all_rounds(),
+            "trajectories": self.clone(ScoreTrajectories),
+            "datums": self.clone(BuildDatums),
+        }
 
 
 @RunTask.event_handler(luigi.Event.START)
@@ -242,41 +246,66 @@ class ExecuteRound(RolloutTask):
         )  # fmt: skip
 
 
+class ScoreShard(RolloutTask):
+    shard = luigi.IntParameter(default=0, description="shard of the questions, from 0 ([rollout] shards)")
+
+    def requires(self):
+        return {"prompts": self.clone(Prompts), "rounds": self.rounds(self.shard, self.rollout.rounds)}
+
+    def output(self):
+        return self.target(self.folder.scored(self.shard))
+
+    def run(self):
+        inputs = self.input()
+        self.summary = score_shard(
+            path(inputs["prompts"]), round_paths(inputs["rounds"]), path(self.output()), self.stage, self.step,
+            self.shard,
+        )  # fmt: skip
+
+
 class ScoreTrajectories(RolloutTask):
     def requires(self):
-        return {"prompts": self.clone(Prompts), "shards": self.all_rounds()}
+        return {"shards": [self.clone(ScoreShard, shard=shard) for shard in range(self.rollout.shards)]}
 
     def output(self):
         return self.target(self.folder.trajectories)
 
     def run(self):
+        shards = [path(target) for target in self.input()["shards"]]
+        self.summary = score_trajectories(shards, path(self.output()), self.stage)
+
+
+class ShardDatums(RunTask):
+    shard = luigi.IntParameter(default=0, description="shard of the questions, from 0 ([rollout] shards)")
+
+    def requires(self):
+        return {
+            "prompts": self.clone(Prompts),
+            "rounds": self.rounds(self.shard, self.rollout.rounds),
+            "trajectories": self.clone(ScoreTrajectories),
+        }
+
+    def output(self):
+        return self.target(self.folder.shard_datums(self.shard))
+
+    def run(self):
         inputs = self.input()
-        shards = [round_paths(rounds) for rounds in inputs["shards"]]
-        self.summary = score_trajectories(path(inputs["prompts"]), shards, path(self.output()), self.stage, self.step)
+        self.summary = shard_datums(
+            path(inputs["prompts"]), round_paths(inputs["rounds"]), path(inputs["trajectories"]),
+            path(self.output()), self.stage, self.step, self.shard,
+        )  # fmt: skip
 
 
 class BuildDatums(RunTask):
     def requires(self):
-        return {
-            "prompts": self.clone(Prompts),
-            "shards": self.all_rounds(),
-            "trajectories": self.clone(ScoreTrajectories),
-        }
+        return {"shards": [self.clone(ShardDatums, shard=shard) for shard in range(self.rollout.shards)]}
 
     def output(self):
         return self.target(self.folder.datums)
 
     def run(self):
-        inputs = self.input()
-        shards = [round_paths(rounds) for rounds in inputs["shards"]]
-        self.summary = build_datums(
-            path(inputs["prompts"]),
-            shards,
-            path(inputs["trajectories"]),
-            path(self.output()),
-            self.stage,
-            self.step,
-        )
+        shards = [path(target) for target in self.input()["shards"]]
+        self.summary = build_datums(shards, path(self.output()))
 
 
 class TrainStep(RunTask):

@@ -48,3 +48,22 @@ def test_a_step_with_dynamic_sampling_trains_on_kept_groups_only_and_reruns_iden
     assert (metrics["groups_drawn"], metrics["groups_kept"], metrics["train_datums"]) == (8, 2, len(datums))
     for name in ("trajectories.parquet", "datums.parquet"):
         assert pq.read_table(folder / name).equals(pq.read_table(step_dir(runs[1], 0) / name))
+
+
+def test_a_step_in_shards_writes_the_rows_of_a_step_in_one(configure, monkeypatch):
+    """Each shard is scored and turned into datums in its own task; which groups train is decided over the whole
+    step, so the step's files are those of the same step in one shard (seeds follow questions, not shards)."""
+    folders = []
+    for name, shards in (("one", 1), ("three", 3)):
+        sections = {"data": {"questions_per_step": 2, "questions_drawn": 8}, "rollout": {"shards": shards}}
+        settings = configure(name, **sections, trainer=TRAIN)
+        assert build_train(settings, 0, some_groups_agree(settings), monkeypatch)
+        folders.append(step_dir(settings, 0))
+    one, three = folders
+    assert len(list(three.glob("shard=*/scored.parquet"))) == len(list(three.glob("shard=*/datums.parquet"))) == 3
+    for name in ("trajectories.parquet", "datums.parquet"):
+        assert pq.read_table(one / name).equals(pq.read_table(three / name)), name
+    kept = [
+        row["kept"] for path in sorted(three.glob("shard=*/scored.parquet")) for row in pq.read_table(path).to_pylist()
+    ]
+    assert all(kept)  # a shard's scores keep every group: the step's file decides

@@ -121,6 +121,7 @@ def test_a_train_step_and_a_sample_round_reach_the_library_through_few_files(con
     settings = configure("crossed", trainer=TRAIN)
     sampler = tool_policy(settings)
     monkeypatch.setattr(retool.sampling.engines, "sampler_for", lambda *_: sampler)
+    monkeypatch.setattr(retool.sampling.engines, "_engines", {})  # as in a new process: no engine an earlier test left
     assert luigi.build([BuildDatums(step=0)], local_scheduler=True, workers=1, log_level="WARNING")
     train, sample = TrainStep(step=0), SampleRound(step=0, round=0)
     train.set_status_message = sample.set_status_message = lambda message: None

@@ -125,6 +125,7 @@ def test_deleting_one_output_reruns_only_it_and_downstream(configure, monkeypatc
         deleted,
         folder / "shard=00/round=02/samples.parquet",
         folder / "shard=00/round=02/observations.parquet",
+        folder / "shard=00/scored.parquet",
         folder / "trajectories.parquet",
     }
     for path, (mtime, table) in before.items():
@@ -292,7 +293,9 @@ def test_train_step_writes_the_step_metrics(configure, monkeypatch):
         "Prompts",
         "SampleRound",
         "ExecuteRound",
+        "ScoreShard",
         "ScoreTrajectories",
+        "ShardDatums",
         "BuildDatums",
         "TrainStep",
     }

@@ -41,7 +41,8 @@ def test_the_scale_bench_reports_every_stage_and_the_tables_are_unchanged(tmp_pa
     assert [(s["trajectories"], s["shards"]) for s in steps] == [(64, 1), (256, 4)]
     for step in steps:
         assert set(step["stages"]) == set(STAGE_ORDER)
-        assert step["tasks"] == 1 + 2 * 6 * step["shards"] + 2  # prompts, each shard's rounds, scores, datums
+        # prompts, each shard's rounds, scores and datums, the step's scores and datums
+        assert step["tasks"] == 1 + 2 * 6 * step["shards"] + 2 * step["shards"] + 2
         for figures in step["stages"].values():
             assert figures["seconds"] > 0 and figures["peak_bytes"] > 0
         assert step["stages"]["SampleRound"]["output_bytes"] > 0
@@ -49,7 +50,10 @@ def test_the_scale_bench_reports_every_stage_and_the_tables_are_unchanged(tmp_pa
     assert (tmp_path / "scale.png").stat().st_size > 0
     assert jobs.execute_round.sandbox_for is sandbox_for  # the bench's stand-in is gone: later tests run the real one
     for name, pinned in PINNED.items():
-        assert table_digests(tmp_path / f"{name}-320" / "step=0000") == pinned, name  # 320: the turns' median
+        digests = table_digests(tmp_path / f"{name}-320" / "step=0000")  # 320: the turns' median
+        assert {path: digests.get(path) for path in pinned} == pinned, name
+        shards = {path for path in digests if path.endswith(("/scored.parquet", "/datums.parquet"))}
+        assert len(shards) == 2 * next(s["shards"] for s in steps if name.startswith(f"scale-{s['trajectories']}-"))
 
 
 if __name__ == "__main__":  # pins the tables the two smallest steps write now

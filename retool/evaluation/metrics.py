@@ -21,7 +21,9 @@ from retool.training.record import StepMetrics
 
 # The stages of a training step, by the names their wall times are recorded under (the pipeline's tasks):
 # every step's metrics has a seconds_<stage> column for each, 0 for a stage that did not run in that command.
-ROLLOUT_STAGES = ("Prompts", "SampleRound", "ExecuteRound", "ScoreTrajectories", "BuildDatums")
+ROLLOUT_STAGES = (
+    "Prompts", "SampleRound", "ExecuteRound", "ScoreShard", "ScoreTrajectories", "ShardDatums", "BuildDatums"
+)  # fmt: skip
 TRAINING_STAGE = "TrainStep"
 
 

@@ -22,6 +22,7 @@ SAMPLES_FILE = "samples.parquet"
 OBSERVATIONS_FILE = "observations.parquet"
 TRAJECTORIES_FILE = "trajectories.parquet"
 DATUMS_FILE = "datums.parquet"
+SCORED_FILE = "scored.parquet"
 METRICS_FILE = "metrics.parquet"
 SUMMARY_FILE = "summary.parquet"
 SFT_EXAMPLES_FILE = "examples.parquet"
@@ -70,6 +71,14 @@ class StepFolder:
 
     def observations(self, shard: int, round_index: int) -> Path:
         return self.round(shard, round_index) / OBSERVATIONS_FILE
+
+    def scored(self, shard: int) -> Path:
+        """One shard's trajectories scored, every group kept (which groups train is the step's trajectories')."""
+        return self.path / f"shard={shard:02d}" / SCORED_FILE
+
+    def shard_datums(self, shard: int) -> Path:
+        """One shard's rows of the step's datums."""
+        return self.path / f"shard={shard:02d}" / DATUMS_FILE
 
     def rounds(self, shard: int, count: int) -> list[RoundPaths]:
         """The first `count` rounds of one shard."""

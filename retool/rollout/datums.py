@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy
@@ -109,7 +109,6 @@ def datums_of(trajectories: list[Trajectory], trainer_max_tokens: int) -> list[D
 # Datums as datums.parquet's columns (files/tables.py DATUMS), and back.
 
 LIST_COLUMNS = ("input_tokens", "target_tokens", "old_logprobs", "advantages", "loss_mask")  # in Datum's order
-FILE_TYPES = {name: DATUMS.field(name).type.value_type.to_pandas_dtype() for name in LIST_COLUMNS}  # numpy's
 
 
 def datums_to_table(datums: Sequence[Datum], step: int, policy_step: int) -> pa.Table:
@@ -124,11 +123,6 @@ def datums_to_table(datums: Sequence[Datum], step: int, policy_step: int) -> pa.
         "policy_step": pa.array([policy_step] * count, pa.int32()),
     }
     return pa.Table.from_arrays([columns[name] for name in DATUMS.names], schema=DATUMS)
-
-
-def in_file_types(datum: Datum) -> Datum:
-    """The datum with its arrays in datums.parquet's types, as the file will hold it (half of numpy's defaults)."""
-    return replace(datum, **{name: numpy.asarray(getattr(datum, name), FILE_TYPES[name]) for name in LIST_COLUMNS})
 
 
 def datums_from_table(table: pa.Table) -> list[Datum]:

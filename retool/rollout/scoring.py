@@ -61,20 +61,24 @@ def assign_group_advantages(trajectories: Sequence[Trajectory]) -> None:
 
 
 def keep_groups(trajectories: Sequence[Trajectory], limit: int | None) -> None:
+    """Marks each trajectory's group kept or not (`kept_questions`)."""
+    kept = kept_questions([(t.question_index, t.correct) for t in trajectories], limit)
+    for trajectory in trajectories:
+        trajectory.kept = kept is None or trajectory.question_index in kept
+
+
+def kept_questions(answers: Iterable[tuple[int, bool]], limit: int | None) -> set[int] | None:
     """Dynamic sampling (DAPO): with a `limit`, only the groups whose answers differ in correctness
     train, the first `limit` of them in question order; the others are drawn but not kept. Correctness,
     not reward: a group that differs only in a shaped part of the reward has nothing to teach about the
-    answer. Without a limit every group is kept."""
-    groups: dict[int, list[Trajectory]] = defaultdict(list)
-    for trajectory in trajectories:
-        groups[trajectory.question_index].append(trajectory)
-    kept = 0
-    for _, group in sorted(groups.items()):
-        mixed = len({t.correct for t in group}) > 1
-        keep = limit is None or (mixed and kept < limit)
-        kept += keep
-        for trajectory in group:
-            trajectory.kept = keep
+    answer. Without a limit every group is kept (None). `answers`: (question, correct) of each trajectory."""
+    if limit is None:
+        return None
+    outcomes: dict[int, set[bool]] = defaultdict(set)
+    for question, correct in answers:
+        outcomes[question].add(bool(correct))
+    mixed = [question for question, seen in sorted(outcomes.items()) if len(seen) > 1]
+    return set(mixed[:limit])
 
 
 def end_step(

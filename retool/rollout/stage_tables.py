@@ -24,7 +24,7 @@ from retool.rollout.rows import (
     sequence_of,
     trajectory_row,
 )
-from retool.rollout.scoring import end_step
+from retool.rollout.scoring import end_step, kept_questions
 from retool.rollout.state import (
     REFUSED,
     Trajectory,
@@ -128,6 +128,25 @@ def scored_table(
             f"{len(live)} trajectories are still live after the last round; the round files are incomplete"
         )
     return trajectories_table(end_step(trajectories, keep_limit, reward, max_tokens), step, policy_step)
+
+
+def merged_scores(parts: Sequence[pa.Table], keep_limit: int | None = None) -> pa.Table:
+    """ScoreTrajectories: the shards' scored trajectories (each shard's scored with every group kept: a question's
+    group lies in one shard) in (question, branch) order, and which groups train over the whole step (with a
+    `keep_limit`, dynamic sampling counts the step's groups in question order)."""
+    table = in_question_order(pa.concat_tables(parts))
+    kept = kept_questions(
+        zip(table.column("question_index").to_pylist(), table.column("correct").to_pylist(), strict=True), keep_limit
+    )
+    if kept is None:
+        return table
+    in_kept_group = pc.is_in(table.column("question_index"), value_set=pa.array(sorted(kept), pa.int32()))
+    return table.set_column(table.schema.get_field_index("kept"), table.schema.field("kept"), in_kept_group)
+
+
+def in_question_order(table: pa.Table) -> pa.Table:
+    """The rows of a step's shards in (question, branch) order, the order of the step's files."""
+    return table.sort_by([("question_index", "ascending"), ("group_index", "ascending")])
 
 
 def trajectories_table(trajectories: Sequence[Trajectory], step: int, policy_step: int) -> pa.Table:
