@@ -58,11 +58,10 @@ data: $(INSTALLED)
 
 # The last RL step of the default run (steps 0..RUN_STEP), the evaluation samples per question, and the
 # held-out questions evaluated (the first RUN_LIMIT of data/synthetic_eval.jsonl, the three family roles in turn;
-# 0: all 332):
-# 32 keep the whole run within 25 minutes on a 2-core machine without native bfloat16 (docs/performance.md).
+# 0: all 332): 96, about 32 a role, narrow RL - SFT's paired interval to about +-0.15 a role (docs/results.md).
 RUN_STEP ?= 3
 RUN_SAMPLES ?= 2
-RUN_LIMIT ?= 32
+RUN_LIMIT ?= 96
 
 run: $(VLLM_INSTALLED) model
 	LUIGI_CONFIG_PATH=configs/cpu.cfg $(VENV)/bin/luigi --module pipeline BeforeAfter --step $(RUN_STEP) --n $(RUN_SAMPLES) \

@@ -49,7 +49,7 @@ def long_tailed_tools():
 
 def cold_started(workdir: Path) -> RunSettings:
     """The default run's settings on its cold-start model (trained here first), without a cold start."""
-    from pipeline.tasks import ColdStart
+    from pipeline.cold_start import ColdStart
 
     settings = default_run_settings().changed(run={"runs_dir": str(workdir), "name": "server-sft"})
     luigi_build(settings, ColdStart)

@@ -9,12 +9,10 @@ from pathlib import Path
 import luigi
 
 from jobs.build_datums import build_datums, shard_datums
-from jobs.cold_start import cold_start
 from jobs.execute_round import execute_round
 from jobs.prompts import prompts
 from jobs.sample_round import sample_round
 from jobs.score_trajectories import score_shard, score_trajectories
-from jobs.sft_examples import sft_examples
 from jobs.train_step import train_step
 from pipeline.config import EvalSpecParameter, current_settings
 from pipeline.outcome import note_end, note_failure, note_start, watch_if_named_on_the_command_line
@@ -122,6 +120,8 @@ class RunTask(luigi.Task):
         setting: a training step samples from the checkpoint before it, or [rollout] max_staleness steps older
         (before step 0's: the cold start's, if the run has one), an evaluation from its own step's (-1: the model
         setting, or the cold start's with `sft`)."""
+        from pipeline.cold_start import ColdStart  # its tasks subclass RunTask: imported here, not above
+
         source = self.stage.sampled_by
         if source >= 0:
             return {"policy": TrainStep(step=source), **self.rl_base()}
@@ -130,6 +130,8 @@ class RunTask(luigi.Task):
 
     def rl_base(self) -> dict[str, luigi.Task]:
         """{"rl_base": the cold start} when RL starts from its weights, which a LoRA checkpoint applies to."""
+        from pipeline.cold_start import ColdStart
+
         return {"rl_base": ColdStart()} if self.settings.cold_start.data else {}
 
     def rounds(self, shard: int, count: int) -> list[dict[str, luigi.Task]]:
@@ -347,54 +349,6 @@ class TrainStep(RunTask):
             checkpoint_of(inputs, "previous"), checkpoint_of(inputs, "rl_base"), checkpoint_of(inputs, "behaviour"),
             path(outputs["checkpoint"]).parent, path(outputs["metrics"]), self.folder.timings, self.stage, self.step,
         )  # fmt: skip
-
-
-class ColdStartTask(RunTask):
-    """A stage of the run's cold start, before step 0, in runs/<run>/sft/."""
-
-    step = luigi.IntParameter(default=-1, significant=False, description="not used: the cold start precedes step 0")
-
-    @property
-    def folder(self) -> StepFolder:
-        return self.run_folder.sft
-
-
-class SFTExamples(ColdStartTask):
-    """The cold-start conversations rendered through the rollout's protocol: sft/examples.parquet."""
-
-    def output(self):
-        return self.target(self.folder.sft_examples)
-
-    def run(self):
-        self.summary = sft_examples(path(self.output()), self.settings)
-
-
-class ColdStart(ColdStartTask):
-    """Supervised fine-tuning on the SFT examples: sft/checkpoint/ (full weights; the policy RL
-    starts from) and the loss of every step in sft/losses.parquet. Resumes from sft/progress/."""
-
-    def requires(self):
-        return {"examples": SFTExamples()}
-
-    def output(self):
-        folder = self.folder
-        return {
-            "checkpoint": self.target(Checkpoint(folder.checkpoint).marker),
-            "losses": self.target(folder.sft_losses),
-        }
-
-    def run(self):
-        outputs, progress = self.output(), self.folder.sft_progress  # progress: its own resume point
-        self.summary = cold_start(
-            path(self.input()["examples"]), path(outputs["checkpoint"]).parent, path(outputs["losses"]), progress,
-            self.settings, self.report_progress,
-        )  # fmt: skip
-
-    def report_progress(self, row: dict) -> None:
-        steps = self.settings.cold_start.steps
-        line = f"cold start step {row['step'] + 1}/{steps}: loss {row['loss']:.3f}, {row['seconds']:.1f} s"
-        self.set_status_message(line)
-        print(line, flush=True)
 
 
 def path(target: luigi.LocalTarget) -> Path:
