@@ -307,7 +307,7 @@ class BuildDatums(RunTask):
 
     def run(self):
         shards = [path(target) for target in self.input()["shards"]]
-        self.summary = build_datums(shards, path(self.output()))
+        self.summary = build_datums(shards, path(self.output()), self.stage, self.step)
 
 
 class TrainStep(RunTask):

@@ -233,4 +233,13 @@ def read_table(path: str | Path, schema: pa.Schema, columns: Sequence[str] | Non
 
 @_timed
 def write_table_atomically(table: pa.Table, path: str | Path) -> None:
-    write_atomically(path, lambda temporary: pq.write_table(table, temporary))
+    """Token and logprob lists are not dictionary-encoded (their values rarely repeat within a page: Parquet tries,
+    then falls back) and pages are compressed with zstd at level 1: the datums of a long step write in 0.7 the time
+    and read in 0.6 of snappy's with dictionaries, in half the bytes (docs/performance.md)."""
+    scalar = [field.name for field in table.schema if not pa.types.is_list(field.type)]
+    write_atomically(
+        path,
+        lambda temporary: pq.write_table(
+            table, temporary, compression="zstd", compression_level=1, use_dictionary=scalar
+        ),
+    )
