@@ -9,7 +9,7 @@ import sys
 import luigi
 import pytest
 
-import pipeline.tasks
+import pipeline.cold_start
 from retool.data.conversations import read_conversations
 from retool.files.layout import RunFolder
 from retool.files.tables import SFT_EXAMPLES, TRAJECTORIES, read_table
@@ -50,7 +50,7 @@ def test_exported_rollouts_render_to_the_sampled_tokens_through_sft_examples(con
 
     # Another run starts from them: its SFT examples are the sampled sequences, token for token.
     configure("from-rollouts", cold_start={"data": str(out)})
-    task = pipeline.tasks.SFTExamples()
+    task = pipeline.cold_start.SFTExamples()
     assert luigi.build([task], local_scheduler=True, workers=1, log_level="WARNING")
     examples = read_table(task.output().path, SFT_EXAMPLES).to_pylist()
     assert len(examples) == len(sampled)
