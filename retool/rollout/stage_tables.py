@@ -134,7 +134,7 @@ def merged_scores(parts: Sequence[pa.Table], keep_limit: int | None = None) -> p
     """ScoreTrajectories: the shards' scored trajectories (each shard's scored with every group kept: a question's
     group lies in one shard) in (question, branch) order, and which groups train over the whole step (with a
     `keep_limit`, dynamic sampling counts the step's groups in question order)."""
-    table = in_question_order(pa.concat_tables(parts))
+    table = pa.concat_tables(parts).sort_by([("question_index", "ascending"), ("group_index", "ascending")])
     kept = kept_questions(
         zip(table.column("question_index").to_pylist(), table.column("correct").to_pylist(), strict=True), keep_limit
     )
@@ -142,11 +142,6 @@ def merged_scores(parts: Sequence[pa.Table], keep_limit: int | None = None) -> p
         return table
     in_kept_group = pc.is_in(table.column("question_index"), value_set=pa.array(sorted(kept), pa.int32()))
     return table.set_column(table.schema.get_field_index("kept"), table.schema.field("kept"), in_kept_group)
-
-
-def in_question_order(table: pa.Table) -> pa.Table:
-    """The rows of a step's shards in (question, branch) order, the order of the step's files."""
-    return table.sort_by([("question_index", "ascending"), ("group_index", "ascending")])
 
 
 def trajectories_table(trajectories: Sequence[Trajectory], step: int, policy_step: int) -> pa.Table:
