@@ -3,6 +3,9 @@ what it writes reads back."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from retool.data.examples import MathExample
 from retool.data.frontier import Draw
 from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
@@ -70,3 +73,16 @@ def test_what_is_written_reads_back(hermes):
         r"\boxed{42}",
         1,
     )
+
+
+def test_a_process_that_touches_the_files_keeps_its_buffers_off_huge_pages():
+    """Importing the Parquet contract sets Arrow's pool (jemalloc, or the system's malloc) and numpy's large arrays
+    to ask for no transparent huge pages (docs/performance.md), in a new process as in the pipeline's."""
+    script = (
+        "import retool.files.tables, numpy, pyarrow as pa; "
+        "print(pa.default_memory_pool().backend_name, numpy._core.multiarray._set_madvise_hugepage(True))"
+    )
+    pool, huge_pages = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert pool in ("jemalloc", "system") and huge_pages == "False"

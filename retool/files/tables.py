@@ -14,6 +14,21 @@ import pyarrow.parquet as pq
 
 from retool.files.atomic import write_atomically
 
+
+def _buffers_on_small_pages() -> None:
+    """Arrow's buffers from jemalloc (the system's malloc where a wheel has none), not the default mimalloc, and
+    numpy's large arrays without a request for transparent huge pages. Under the kernel's usual THP mode (`madvise`)
+    both requests made a stage fault in and zero fresh 2 MiB pages each time it freed and refilled its buffers: the
+    join of a 13 M-token step's datums spent 6 of its 7 seconds in the kernel (docs/performance.md)."""
+    try:
+        pa.set_memory_pool(pa.jemalloc_memory_pool())
+    except NotImplementedError:
+        pa.set_memory_pool(pa.system_memory_pool())
+    numpy._core.multiarray._set_madvise_hugepage(False)  # what NUMPY_MADVISE_HUGEPAGE=0 does at numpy's import
+
+
+_buffers_on_small_pages()
+
 TOKENS = pa.list_(pa.int32())
 FLOATS = pa.list_(pa.float32())
 
