@@ -80,7 +80,8 @@ def test_a_process_that_touches_the_files_keeps_its_buffers_off_huge_pages():
     to ask for no transparent huge pages (docs/performance.md), in a new process as in the pipeline's."""
     script = (
         "import retool.files.tables, numpy, pyarrow as pa; "
-        "print(pa.default_memory_pool().backend_name, numpy._core.multiarray._set_madvise_hugepage(True))"
+        "multiarray = numpy._core.multiarray if hasattr(numpy, '_core') else numpy.core.multiarray; "
+        "print(pa.default_memory_pool().backend_name, multiarray._set_madvise_hugepage(True))"
     )
     pool, huge_pages = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=True

@@ -24,7 +24,8 @@ def _buffers_on_small_pages() -> None:
         pa.set_memory_pool(pa.jemalloc_memory_pool())
     except NotImplementedError:
         pa.set_memory_pool(pa.system_memory_pool())
-    numpy._core.multiarray._set_madvise_hugepage(False)  # what NUMPY_MADVISE_HUGEPAGE=0 does at numpy's import
+    multiarray = numpy._core.multiarray if hasattr(numpy, "_core") else numpy.core.multiarray  # numpy 2, numpy 1
+    multiarray._set_madvise_hugepage(False)  # what NUMPY_MADVISE_HUGEPAGE=0 does at numpy's import
 
 
 _buffers_on_small_pages()
