@@ -40,8 +40,8 @@ ROLLOUT = {
 GROUP = 16  # samples per question, as the recipes draw them
 SIZES = ((64, 1), (256, 4), (1024, 16), (4096, 64), (8192, 64))  # (trajectories, shards) of each measured step
 # The GPU step's trajectories (about 7k tokens each: turns 5 x as long, up to 4096 tokens) at a quarter of its 8192,
-# in configs/node8.cfg's 8 shards and in 64
-LONG, LONG_TURNS, LONG_TURN_TOKENS, LONG_SHARDS = 2048, 5, 4096, (8, 64)
+# in configs/node8.cfg's 8 shards, in 32 and in 64 (more shards: more workers at once, more tasks to schedule)
+LONG, LONG_TURNS, LONG_TURN_TOKENS, LONG_SHARDS = 2048, 5, 4096, (8, 32, 64)
 SHAPE_TURNS = Shape().turn_tokens  # the median turn of the sizes' steps
 
 

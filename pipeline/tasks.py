@@ -59,9 +59,10 @@ class RunTask(luigi.Task):
     def run_folder(self) -> RunFolder:
         return RunFolder(self.settings.run_dir)
 
-    @property
+    @cached_property
     def folder(self) -> StepFolder:
-        """Where the task writes: its step's folder, or its evaluation's."""
+        """Where the task writes: its step's folder, or its evaluation's (made once: every check of a task downstream
+        asks for it)."""
         if self.evaluation is None:
             return self.run_folder.step(self.step)
         return self.run_folder.evaluation(self.evaluation.name, self.step, self.evaluation.sft)
@@ -90,7 +91,7 @@ class RunTask(luigi.Task):
             if task.task_id in seen:
                 continue
             seen.add(task.task_id)
-            if not all(output.exists() for output in luigi.task.flatten(task.output())):
+            if not all(output.exists() for output in task.outputs()):
                 return False
             if task.folder == folder:
                 waiting += task.inputs()
@@ -102,6 +103,16 @@ class RunTask(luigi.Task):
         if "_inputs" not in self.__dict__:
             self._inputs = luigi.task.flatten(self.requires())
         return self._inputs
+
+    def deps(self) -> list[RunTask]:
+        """Luigi's dependencies: inputs(), made once (it asks when it schedules the task and again before it runs)."""
+        return self.inputs()
+
+    def outputs(self) -> list[luigi.LocalTarget]:
+        """output(), flattened, made once per task, for the same checks."""
+        if "_outputs" not in self.__dict__:
+            self._outputs = luigi.task.flatten(self.output())
+        return self._outputs
 
     def label(self) -> str:
         """The task as users name it: its parameters, an evaluation by its folder, unset ones left out."""

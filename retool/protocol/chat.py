@@ -66,6 +66,7 @@ class ChatProtocol:
         stop_at_tool_call: bool = False,
     ):
         self.tokenizer = tokenizer
+        self._rendered_tokens: dict[str, list[int]] = {}  # encode() of template texts met before (see encode_rendered)
         self.template_kwargs = dict(template_kwargs or {})  # e.g. enable_thinking, passed to every render
         self.chat_template = (
             Path(chat_template).read_text(encoding="utf-8") if chat_template else tokenizer.chat_template
@@ -123,6 +124,17 @@ class ChatProtocol:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def encode_rendered(self, text: str) -> list[int]:
+        """encode() of a text the template renders again and again: an assistant's closing, the wrapper of an empty
+        observation (tool_wrapper_tokens, before every turn that may call). Kept by text, a few thousand at most:
+        the same text always gives the same tokens, and a long step renders them tens of thousands of times."""
+        tokens = self._rendered_tokens.get(text)
+        if tokens is None:
+            tokens = self.encode(text)
+            if len(self._rendered_tokens) < 4096:
+                self._rendered_tokens[text] = tokens
+        return list(tokens)
+
     def decode(self, tokens: Sequence[int]) -> str:
         # As an array: transformers then converts it at once rather than checking each id's type (a turn has thousands)
         return self.tokenizer.decode(numpy.asarray(tokens, numpy.int64), skip_special_tokens=True)
@@ -176,7 +188,8 @@ class ChatProtocol:
             self.render([*history, self.tool_message(tool_content, call_id)], add_generation_prompt=True),
             "a tool message follows it",
         )
-        closing_ids, delta_ids = self.encode(closing), self.encode(after)
+        closing_ids = self.encode_rendered(closing)
+        delta_ids = self.encode_rendered(after) if not tool_content else self.encode(after)
         if not after.startswith(closing) or delta_ids[: len(closing_ids)] != closing_ids:
             raise TemplateError(
                 f"the chat template closes an assistant turn with {closing!r} when it is last, but not when a "

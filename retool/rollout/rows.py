@@ -4,6 +4,8 @@ retool/files/tables.py (tests/test_rows.py holds each mapping to its schema, col
 
 from __future__ import annotations
 
+import numpy
+
 from retool.data.examples import MathExample
 from retool.data.frontier import Draw
 from retool.protocol.chat import ChatProtocol
@@ -72,7 +74,8 @@ def turn_of(row: dict) -> AssistantTurn:
 
 def sequence_of(row: dict) -> SampledSequence:
     """The sampler's reply as the row keeps it."""
-    return SampledSequence(tuple(row["completion_tokens"]), tuple(row["logprobs"]), row["finish_reason"])
+    tokens, logprobs = (numpy.asarray(row[name]).tolist() for name in ("completion_tokens", "logprobs"))  # or views
+    return SampledSequence(tuple(tokens), tuple(logprobs), row["finish_reason"])
 
 
 # observations.parquet: a branch's state after one round

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -15,7 +16,7 @@ from retool.data.frontier import Draw
 from retool.files.tables import OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
 from retool.protocol.chat import ChatProtocol
 from retool.rollout.datums import Datum, datums_of, datums_to_table
-from retool.rollout.replay import StaleInputError
+from retool.rollout.replay import StaleInputError, sample_rows
 from retool.rollout.rows import (
     observation_row,
     prompt_row,
@@ -69,8 +70,10 @@ def samples_table(
 
 def _replies_from_samples(
     requests: Sequence[SampleRequest], samples: pa.Table, round_index: int
-) -> list[list[SampledSequence]]:
-    rows = {(row["question_index"], row["group_index"]): row for row in samples.to_pylist()}
+) -> tuple[list[list[SampledSequence]], dict[tuple[int, int], str]]:
+    """The sampler's replies to `requests` as samples.parquet keeps them, and each branch's text (SampleRound's
+    turn_text of the same tokens: not decoded again). Token columns are read as numpy views of the table's."""
+    rows = {(row["question_index"], row["group_index"]): row for row in sample_rows(samples)}
     expected = {(r.question_index, g) for r in requests for g in r.group_indices}
     if set(rows) != expected:
         raise StaleInputError(
@@ -82,14 +85,14 @@ def _replies_from_samples(
         sequences = []
         for group_index in request.group_indices:
             row = rows[(request.question_index, group_index)]
-            if row["seed"] != request.seed or row["prompt_tokens"] != list(request.prompt_tokens):
+            if row["seed"] != request.seed or not numpy.array_equal(row["prompt_tokens"], request.prompt_tokens):
                 raise StaleInputError(
                     f"round {round_index}: samples for question {request.question_index} branch {group_index} were "
                     "drawn from another prompt or seed; re-run its SampleRound"
                 )
             sequences.append(sequence_of(row))
         replies.append(sequences)
-    return replies
+    return replies, {branch: row["text"] for branch, row in rows.items()}
 
 
 def observations_table(
@@ -105,9 +108,8 @@ def observations_table(
     trajectory that was live at the start of the round."""
     live = [t for t in trajectories if not t.done]
     requests = plan_requests(trajectories, protocol, config, step)  # the same plan SampleRound made
-    pendings = apply_samples(
-        trajectories, requests, _replies_from_samples(requests, samples, round_index), protocol, config
-    )
+    replies, texts = _replies_from_samples(requests, samples, round_index)
+    pendings = apply_samples(trajectories, requests, replies, protocol, config, texts)
     apply_results(pendings, execute(pendings, sandbox), sandbox, protocol, config)
     return table_from_rows([observation_row(t, step, round_index) for t in live], OBSERVATIONS)
 

@@ -15,7 +15,7 @@ fit_tool_content, finish_advance (and, in scoring.py, score_trajectory, assign_g
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from retool.config.rollout import RolloutConfig, sample_seed
@@ -237,10 +237,11 @@ def begin_advance(
     request: SampleRequest,
     protocol: ChatProtocol,
     config: RolloutConfig,
+    text: str | None = None,
 ) -> PendingExecution | None:
     """Records the sampled turn first, then parses it: a runnable tool call becomes a pending
-    execution; anything else ends the trajectory."""
-    text = turn_text(protocol, sequence)
+    execution; anything else ends the trajectory. `text`: turn_text's, where a samples file already holds it."""
+    text = turn_text(protocol, sequence) if text is None else text
     turn = AssistantTurn(
         list(request.prompt_tokens),
         list(sequence.tokens),
@@ -274,13 +275,16 @@ def apply_samples(
     replies: Sequence[Sequence[SampledSequence]],
     protocol: ChatProtocol,
     config: RolloutConfig,
+    texts: Mapping[tuple[int, int], str] | None = None,
 ) -> list[PendingExecution]:
+    """`texts`: each branch's turn_text, by (question, branch), where a samples file already holds it."""
     by_branch = {(t.question_index, t.group_index): t for t in trajectories}
     pendings = []
     for request, sequences in zip(requests, replies, strict=True):
         for group_index, sequence in zip(request.group_indices, sequences, strict=True):
+            branch = (request.question_index, group_index)
             pending = begin_advance(
-                by_branch[(request.question_index, group_index)], sequence, request, protocol, config
+                by_branch[branch], sequence, request, protocol, config, texts[branch] if texts is not None else None
             )
             if pending is not None:
                 pendings.append(pending)
