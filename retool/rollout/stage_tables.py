@@ -28,15 +28,17 @@ from retool.rollout.rows import (
 from retool.rollout.scoring import end_step, kept_questions
 from retool.rollout.state import (
     REFUSED,
+    PendingExecution,
     Trajectory,
     apply_results,
-    apply_samples,
+    begin_advance,
     execute,
     plan_requests,
     sampling_settings,
+    turn_seed,
     turn_text,
 )
-from retool.sampling.contract import SampledSequence, Sampler, SampleRequest, sample_checked
+from retool.sampling.contract import Sampler, sample_checked
 
 
 def prompts_table(draws: Sequence[Draw], protocol: ChatProtocol, step: int) -> pa.Table:
@@ -68,31 +70,40 @@ def samples_table(
     return table_from_rows(rows, SAMPLES)
 
 
-def _replies_from_samples(
-    requests: Sequence[SampleRequest], samples: pa.Table, round_index: int
-) -> tuple[list[list[SampledSequence]], dict[tuple[int, int], str]]:
-    """The sampler's replies to `requests` as samples.parquet keeps them, and each branch's text (SampleRound's
-    turn_text of the same tokens: not decoded again). Token columns are read as numpy views of the table's."""
+def _sampled_turns(
+    live: Sequence[Trajectory],
+    samples: pa.Table,
+    protocol: ChatProtocol,
+    config: RolloutConfig,
+    step: int,
+    round_index: int,
+) -> list[PendingExecution]:
+    """What SampleRound's plan asked for and samples.parquet holds, applied to the live trajectories in (question,
+    branch) order, as apply_samples does. A branch without a sample must be one the plan ended for want of budget
+    (plan_requests ends it here too); only those branches' budgets are computed again. Each sample's prompt and seed
+    are checked against the state; its text is SampleRound's turn_text of the same tokens, not decoded again."""
     rows = {(row["question_index"], row["group_index"]): row for row in sample_rows(samples)}
-    expected = {(r.question_index, g) for r in requests for g in r.group_indices}
-    if set(rows) != expected:
+    branches = {(t.question_index, t.group_index): t for t in live}
+    unsampled = [t for branch, t in branches.items() if branch not in rows]
+    asked = {(r.question_index, g) for r in plan_requests(unsampled, protocol, config, step) for g in r.group_indices}
+    if asked or not set(rows) <= set(branches):
         raise StaleInputError(
             f"round {round_index}: samples.parquet holds branches {sorted(rows)} but the state asks for "
-            f"{sorted(expected)}; re-run its SampleRound"
+            f"{sorted(set(branches) - set(unsampled) | asked)}; re-run its SampleRound"
         )
-    replies = []
-    for request in requests:
-        sequences = []
-        for group_index in request.group_indices:
-            row = rows[(request.question_index, group_index)]
-            if row["seed"] != request.seed or not numpy.array_equal(row["prompt_tokens"], request.prompt_tokens):
-                raise StaleInputError(
-                    f"round {round_index}: samples for question {request.question_index} branch {group_index} were "
-                    "drawn from another prompt or seed; re-run its SampleRound"
-                )
-            sequences.append(sequence_of(row))
-        replies.append(sequences)
-    return replies, {branch: row["text"] for branch, row in rows.items()}
+    pendings = []
+    for branch in sorted(rows):
+        trajectory, row = branches[branch], rows[branch]
+        seed = turn_seed(trajectory, config, step)
+        if row["seed"] != seed or not numpy.array_equal(row["prompt_tokens"], trajectory.next_prompt_tokens):
+            raise StaleInputError(
+                f"round {round_index}: samples for question {branch[0]} branch {branch[1]} were drawn from another "
+                "prompt or seed; re-run its SampleRound"
+            )
+        pending = begin_advance(trajectory, sequence_of(row), seed, protocol, config, row["text"])
+        if pending is not None:
+            pendings.append(pending)
+    return pendings
 
 
 def observations_table(
@@ -107,9 +118,7 @@ def observations_table(
     """ExecuteRound: parses this round's samples, runs the tool calls, and records the state of every
     trajectory that was live at the start of the round."""
     live = [t for t in trajectories if not t.done]
-    requests = plan_requests(trajectories, protocol, config, step)  # the same plan SampleRound made
-    replies, texts = _replies_from_samples(requests, samples, round_index)
-    pendings = apply_samples(trajectories, requests, replies, protocol, config, texts)
+    pendings = _sampled_turns(live, samples, protocol, config, step, round_index)
     apply_results(pendings, execute(pendings, sandbox), sandbox, protocol, config)
     return table_from_rows([observation_row(t, step, round_index) for t in live], OBSERVATIONS)
 

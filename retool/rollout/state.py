@@ -15,7 +15,7 @@ fit_tool_content, finish_advance (and, in scoring.py, score_trajectory, assign_g
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from retool.config.rollout import RolloutConfig, sample_seed
@@ -191,14 +191,20 @@ def make_request(
             # empty (-1), as in the seed; a \boxed{} written before a call the model made anyway earns nothing.
             trajectory.end("prompt_over_budget" if not trajectory.turns else "token_budget", "")
         return None
-    turn = len(first.turns)
     return SampleRequest(
         question_index=first.question_index,
         group_indices=tuple(t.group_index for t in trajectories),
         prompt_tokens=tuple(first.next_prompt_tokens),
         max_tokens=max_tokens,
-        seed=sample_seed(config.seed, step, first.question_index, 0 if turn == 0 else first.group_index, turn),
+        seed=turn_seed(first, config, step),
     )
+
+
+def turn_seed(trajectory: Trajectory, config: RolloutConfig, step: int) -> int:
+    """The seed of the trajectory's next turn: its question's for the first (the group shares one request), then
+    the branch's own."""
+    turn = len(trajectory.turns)
+    return sample_seed(config.seed, step, trajectory.question_index, 0 if turn == 0 else trajectory.group_index, turn)
 
 
 def plan_requests(
@@ -215,14 +221,13 @@ def plan_requests(
     return [request for request in requests if request is not None]
 
 
-def stop_reason_of(
-    kind: str, text: str, sequence: SampledSequence, request: SampleRequest, config: RolloutConfig
-) -> str:
+def stop_reason_of(kind: str, text: str, sequence: SampledSequence, config: RolloutConfig) -> str:
     """Why a turn without a runnable call ends its trajectory. A turn cut off by the token cap with no
     \\boxed{} answer did not answer: it ran out of its own budget (turn_budget) or the trajectory's
-    (token_budget)."""
+    (token_budget). A cut-off turn holds every token it was allowed (the sampler's contract: "length" is
+    max_tokens reached), so its length says which: the turn's cap, or a smaller max_tokens left by the trajectory."""
     if sequence.finish_reason == "length" and last_boxed(text) is None:
-        return "turn_budget" if request.max_tokens >= config.max_assistant_tokens else "token_budget"
+        return "turn_budget" if len(sequence.tokens) >= config.max_assistant_tokens else "token_budget"
     return "answer" if kind == "answer" else "invalid"
 
 
@@ -234,21 +239,22 @@ def turn_text(protocol: ChatProtocol, sequence: SampledSequence) -> str:
 def begin_advance(
     trajectory: Trajectory,
     sequence: SampledSequence,
-    request: SampleRequest,
+    seed: int,
     protocol: ChatProtocol,
     config: RolloutConfig,
     text: str | None = None,
 ) -> PendingExecution | None:
-    """Records the sampled turn first, then parses it: a runnable tool call becomes a pending
-    execution; anything else ends the trajectory. `text`: turn_text's, where a samples file already holds it."""
+    """Records the sampled turn (sampled from the trajectory's next prompt with `seed`) first, then parses it: a
+    runnable tool call becomes a pending execution; anything else ends the trajectory. `text`: turn_text's, where a
+    samples file already holds it."""
     text = turn_text(protocol, sequence) if text is None else text
     turn = AssistantTurn(
-        list(request.prompt_tokens),
+        list(trajectory.next_prompt_tokens),
         list(sequence.tokens),
         list(sequence.logprobs),
         text,
         sequence.finish_reason,
-        request.seed,
+        seed,
     )
     trajectory.turns.append(turn)
     parsed = parse_assistant(text, protocol.tool_format)
@@ -256,7 +262,7 @@ def begin_advance(
     messages_before_assistant = list(trajectory.messages)
     trajectory.messages.append(protocol.assistant_message(text))
     if parsed.kind != "tool":
-        trajectory.end(stop_reason_of(parsed.kind, text, sequence, request, config), text)
+        trajectory.end(stop_reason_of(parsed.kind, text, sequence, config), text)
         return None
     refused = not can_code(trajectory, config, turns_after_this=len(trajectory.turns))
     if refused and not answer_turn_left(trajectory, config):
@@ -275,16 +281,13 @@ def apply_samples(
     replies: Sequence[Sequence[SampledSequence]],
     protocol: ChatProtocol,
     config: RolloutConfig,
-    texts: Mapping[tuple[int, int], str] | None = None,
 ) -> list[PendingExecution]:
-    """`texts`: each branch's turn_text, by (question, branch), where a samples file already holds it."""
     by_branch = {(t.question_index, t.group_index): t for t in trajectories}
     pendings = []
     for request, sequences in zip(requests, replies, strict=True):
         for group_index, sequence in zip(request.group_indices, sequences, strict=True):
-            branch = (request.question_index, group_index)
             pending = begin_advance(
-                by_branch[branch], sequence, request, protocol, config, texts[branch] if texts is not None else None
+                by_branch[(request.question_index, group_index)], sequence, request.seed, protocol, config
             )
             if pending is not None:
                 pendings.append(pending)
