@@ -184,10 +184,7 @@ class ChatProtocol:
         generation prefix, rendered in the real conversation so far (templates may vary by context)."""
         history = [*messages_before_assistant, self.assistant_message(_PLACEHOLDER)]
         closing = self._after_placeholder(self.render(history, add_generation_prompt=False), "it is the last message")
-        after = self._after_placeholder(
-            self.render([*history, self.tool_message(tool_content, call_id)], add_generation_prompt=True),
-            "a tool message follows it",
-        )
+        after = self._continuation(messages_before_assistant, tool_content, call_id)
         closing_ids = self.encode_rendered(closing)
         delta_ids = self.encode_rendered(after) if not tool_content else self.encode(after)
         if not after.startswith(closing) or delta_ids[: len(closing_ids)] != closing_ids:
@@ -207,6 +204,18 @@ class ChatProtocol:
         """P(i+1) = P(i) + C(i) + D(i) (`delta`: observation_delta's): history is never re-tokenized from text."""
         return [*prompt_tokens, *completion_tokens, *delta]
 
+    def _continuation(self, messages_before_assistant: list[dict], tool_content: str, call_id: str) -> str:
+        """The text the template renders after an assistant turn when a tool message follows it: its closing, the
+        tool message, the next generation prefix."""
+        history = [
+            *messages_before_assistant,
+            self.assistant_message(_PLACEHOLDER),
+            self.tool_message(tool_content, call_id),
+        ]
+        return self._after_placeholder(self.render(history, add_generation_prompt=True), "a tool message follows it")
+
     def tool_wrapper_tokens(self, messages_before_assistant: list[dict]) -> int:
-        """Tokens an observation costs besides its content (closing, wrapper, next prefix)."""
-        return len(self.observation_delta(messages_before_assistant, [], "", "code-0-0-0"))
+        """Tokens an observation costs besides its content (closing, wrapper, next prefix): observation_delta's
+        length for an empty completion and observation, whose closing is all still to come. One render, before every
+        turn that may call; observation_delta checks the closing against it for each observation appended."""
+        return len(self.encode_rendered(self._continuation(messages_before_assistant, "", "code-0-0-0")))
