@@ -36,29 +36,36 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current resident memory
 
 
-def _sampler_seconds() -> float:
-    """Seconds this process's scripted samplers have spent sampling: the sampler's, not the pipeline's."""
+def _sampler_seconds(kind: str = "seconds") -> float:
+    """Seconds (or CPU seconds: `kind` cpu_seconds) this process's scripted samplers have spent sampling: the
+    sampler's, not the pipeline's."""
     from retool.sampling import engines
 
-    return sum(getattr(engine, "seconds", 0.0) for engine in engines._engines.values())
+    return sum(getattr(engine, kind, 0.0) for engine in engines._engines.values())
 
 
 def _started(task) -> None:
     if LOG is not None:
         reset_peak()
-        task.scale_started = (time.time(), time.perf_counter(), io_bytes(), _sampler_seconds())
+        task.scale_started = (
+            time.time(), time.perf_counter(), time.process_time(), io_bytes(), _sampler_seconds(),
+            _sampler_seconds("cpu_seconds"),
+        )  # fmt: skip
 
 
 def _finished(task) -> None:
     if LOG is None or not hasattr(task, "scale_started"):
         return
-    wall, started, io, sampling = task.scale_started
+    wall, started, cpu, io, sampling, sampling_cpu = task.scale_started
     now = io_bytes()
     outputs = [Path(target.path) for target in luigi.task.flatten(task.output())]
     figures = {
         "stage": task.task_family,
         "started": wall,
         "seconds": time.perf_counter() - started - (_sampler_seconds() - sampling),  # the pipeline's own
+        # CPU time of the task's process, every thread's (the seconds it takes on a core of its own, without waiting
+        # for one), the sampler's apart
+        "cpu_seconds": time.process_time() - cpu - (_sampler_seconds("cpu_seconds") - sampling_cpu),
         "sampler_seconds": _sampler_seconds() - sampling,
         "peak_bytes": peak_bytes(),
         "read_bytes": now["read"] - io["read"],
@@ -104,7 +111,7 @@ def plan_training(settings: RunSettings) -> dict:
     from retool.training.step import mini_batches
 
     reset_peak()
-    io, started = io_bytes(), time.perf_counter()
+    io, started, cpu = io_bytes(), time.perf_counter(), time.process_time()
     config = settings.trainer
     datums = datums_from_table(read_table(RunFolder(settings.run_dir).step(0).datums, DATUMS))
     batches = 0
@@ -118,6 +125,7 @@ def plan_training(settings: RunSettings) -> dict:
     return {
         "stage": "TrainStep (plan only)",
         "seconds": time.perf_counter() - started,
+        "cpu_seconds": time.process_time() - cpu,
         "peak_bytes": peak_bytes(),
         "read_bytes": now["read"] - io["read"],
         "written_bytes": now["written"] - io["written"],

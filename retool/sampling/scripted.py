@@ -23,6 +23,7 @@ class ScriptedSampler:
     requests: list[SampleRequest] = field(default_factory=list)  # every request seen, in order (if keep_requests)
     keep_requests: bool = True  # False at scale: the requests hold every prompt's tokens
     seconds: float = 0.0  # spent in sample() so far: what a benchmark leaves out of the pipeline's own time
+    cpu_seconds: float = 0.0  # the process's CPU time in sample() so far, likewise
     policy: Policy | None = None  # the policy it was last switched to (it replays the same script for any)
 
     def use_policy(self, policy: Policy | None, in_memory: Mapping[str, Any] | None = None) -> None:
@@ -38,11 +39,12 @@ class ScriptedSampler:
         pass
 
     def sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         try:
             return self._sample(requests, settings)
         finally:
             self.seconds += time.perf_counter() - started
+            self.cpu_seconds += time.process_time() - cpu
 
     def _sample(self, requests: Sequence[SampleRequest], settings: SamplingSettings) -> list[list[SampledSequence]]:
         replies = []
