@@ -4,9 +4,9 @@ The real Luigi tasks, files, rollout, scoring, datum and packing code run one RL
 cost nothing (bench/retool_shape.py: a script that returns trajectories shaped like ReTool's, and a stand-in that
 returns what the real sandbox would print for the scripted code). The trainer only plans the step: it reads the
 datums as the trainer does and packs them into micro-batches. Every stage's process is measured from inside
-(Luigi's events, in each worker process): seconds and CPU seconds (the scripted sampler's apart), peak resident memory (VmHWM,
-reset at the stage's start), bytes read and written (/proc/self/io), files written; and the command's scheduling
-(tasks, seconds outside stages)."""
+(Luigi's events, in each worker process): seconds and CPU seconds (the scripted sampler's apart), peak resident
+memory (VmHWM, reset at the stage's start), bytes read and written (/proc/self/io), files written; and the command's
+scheduling (tasks, seconds outside stages)."""
 
 from __future__ import annotations
 
