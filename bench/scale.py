@@ -43,6 +43,8 @@ SIZES = ((64, 1), (256, 4), (1024, 16), (4096, 64), (8192, 64))  # (trajectories
 # in configs/node8.cfg's 8 shards, in 32 and in 64 (more shards: more workers at once, more tasks to schedule)
 LONG, LONG_TURNS, LONG_TURN_TOKENS, LONG_SHARDS = 2048, 5, 4096, (8, 32, 64)
 SHAPE_TURNS = Shape().turn_tokens  # the median turn of the sizes' steps
+# A stage's figures summed over its tasks (its peak memory is their largest)
+SUMMED = ("seconds", "cpu_seconds", "sampler_seconds", "read_bytes", "written_bytes", "output_bytes", "files")
 
 
 def settings_for(
@@ -95,15 +97,7 @@ def measure_step(
     for record in [*records, planned]:
         stage = stages[record["stage"]]
         stage["tasks"] += 1
-        for key in (
-            "seconds",
-            "cpu_seconds",
-            "sampler_seconds",
-            "read_bytes",
-            "written_bytes",
-            "output_bytes",
-            "files",
-        ):
+        for key in SUMMED:
             stage[key] += record.get(key, 0.0)
         stage["peak_bytes"] = max(stage["peak_bytes"], record["peak_bytes"])
     scored = read_table(RunFolder(settings.run_dir).step(0).trajectories, TRAJECTORIES)
