@@ -163,7 +163,7 @@ def resident_steps(workdir: Path, device: str) -> dict:
             folder = workdir / f"{name}-{mode}"
             for step in range(3):
                 previous = folder / f"step{step - 1}" if step else None
-                inputs = StepInputs(base, workdir / "datums.parquet", 4, 0, previous, folder / f"step{step}", config)
+                inputs = StepInputs(base, (workdir / "datums.parquet",), 4, 0, previous, folder / f"step{step}", config)
                 train_from_files(inputs, device, hold_on)
             resident.drop()
             weights = "adapter/" + ADAPTER_WEIGHTS if rank else "model/model.safetensors"

@@ -60,13 +60,20 @@ def settings_for(
     )
 
 
+def shard_datums(step: int) -> list:
+    """What TrainStep reads: the last of the rollout stages, whose tasks the bench runs through Luigi."""
+    from pipeline.tasks import TrainStep
+
+    return TrainStep(step=step).shard_datums(step)
+
+
 def measure_step(
     workdir: Path, trajectories: int, shards: int, workers: int = 1, luigid: bool = False, shape: Shape = Shape()
 ) -> dict:
     """One step of `trajectories` in `shards` through Luigi (`workers` processes; with `luigid`, a central
     scheduler on this machine): each stage's figures, summed over its tasks, and the step's tokens, files and
     scheduling."""
-    from pipeline.tasks import BuildDatums
+
     from retool.files.layout import RunFolder
     from retool.files.tables import TRAJECTORIES, read_table
     from retool.sampling import engines
@@ -87,14 +94,14 @@ def measure_step(
         config = workdir / f"{name}.cfg"
         config.write_text("")
         with central_scheduler(config, free_port(), workdir / f"{name}.state") as port:
-            wall = luigi_build(settings, BuildDatums, workers=workers, scheduler_port=port, step=0)
+            wall = luigi_build(settings, shard_datums, workers=workers, scheduler_port=port, step=0)
     else:
-        wall = luigi_build(settings, BuildDatums, workers=workers, step=0)
+        wall = luigi_build(settings, shard_datums, workers=workers, step=0)
     records = [json.loads(line) for line in stage_meter.LOG.read_text().splitlines()]
     stage_meter.LOG = None
-    planned = stage_meter.plan_training(settings)
+    planned, joined = stage_meter.plan_training(settings), stage_meter.join_datums(settings)
     stages: dict[str, dict] = defaultdict(lambda: defaultdict(float))
-    for record in [*records, planned]:
+    for record in [*records, planned, joined]:
         stage = stages[record["stage"]]
         stage["tasks"] += 1
         for key in SUMMED:
@@ -135,8 +142,8 @@ def exponent(points: list[tuple[float, float]]) -> float:
 
 
 STAGE_ORDER = (
-    "Prompts", "SampleRound", "ExecuteRound", "ScoreShard", "ScoreTrajectories", "ShardDatums", "BuildDatums",
-    "TrainStep (plan only)",
+    "Prompts", "SampleRound", "ExecuteRound", "ScoreShard", "ScoreTrajectories", "ShardDatums", "TrainStep (plan only)",
+    stage_meter.BESIDE_THE_UPDATE,
 )  # fmt: skip
 
 
@@ -283,13 +290,15 @@ def gpu_node_share(workdir: Path, steps: list[dict], single: list[dict], shards:
     one, two = (next(s for s in long if s["workers"] == count) for count in (1, 2))
     growth = GPU_STEP_TRAJECTORIES / one["trajectories"]
     workers = min(NODE_CORES, two["shards"])
-    serial, parallel = 0.0, {"seconds": 0.0, "cpu_seconds": 0.0}
+    serial, beside, parallel = 0.0, 0.0, {"seconds": 0.0, "cpu_seconds": 0.0}
     for name in STAGE_ORDER:
         points = [(s["tokens"], s["stages"][name]["seconds"]) for s in single if name in s["stages"]]
         power = growth ** max(1.0, exponent(points))
         if name in PARALLEL_STAGES:
             for clock in parallel:
                 parallel[clock] += two["stages"][name][clock] * power / workers
+        elif name == stage_meter.BESIDE_THE_UPDATE:
+            beside += one["stages"][name]["seconds"] * power
         else:
             serial += one["stages"][name]["seconds"] * power
     fork = fork_seconds(workdir)
@@ -297,6 +306,7 @@ def gpu_node_share(workdir: Path, steps: list[dict], single: list[dict], shards:
     tokens, sampled_share = one["tokens"] * growth, one["sampled_tokens"] / one["tokens"]
     sampling = tokens * sampled_share / (NODE_GPUS * GENERATION_TOKENS_PER_SECOND)
     training = tokens * TRAINING_FLOPS_PER_TOKEN / (NODE_GPUS * GPU_FLOPS)
+    serial += max(0.0, beside - training)  # only what outlasts the update delays the step
     own = {clock: serial + rollout + scheduling for clock, rollout in parallel.items()}
     share = {clock: time / (sampling + training + time) for clock, time in own.items()}
     return [
@@ -308,7 +318,8 @@ def gpu_node_share(workdir: Path, steps: list[dict], single: list[dict], shards:
         ),
         (
             "  pipeline's own time",
-            f"{own['seconds']:.1f} s: single-task stages {serial:.1f} s, rollout stages {parallel['seconds']:.1f} s "
+            f"{own['seconds']:.1f} s: single-task stages {serial:.1f} s (and the datums' join, {beside:.1f} s, beside "
+            f"the update), rollout stages {parallel['seconds']:.1f} s "
             f"over {workers} workers ({parallel['cpu_seconds']:.1f} s by their CPU time), scheduling {scheduling:.1f} "
             f"s ({one['tasks']} tasks, a fork {fork * 1000:.1f} ms); x{growth:.0f} the long step's trajectories",
         ),

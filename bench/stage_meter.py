@@ -101,35 +101,58 @@ def measuring():
         jobs.execute_round.sandbox_for = real
 
 
-def plan_training(settings: RunSettings) -> dict:
-    """What the trainer does with the step's files before its first forward pass: reads the datums, splits them
-    into mini-batches and packs those into micro-batches with their loss weights."""
-    from retool.files.layout import RunFolder
-    from retool.files.tables import DATUMS, read_table
-    from retool.rollout.datums import datums_from_table
-    from retool.training.packing import loss_token_weights, pack_micro_batches
-    from retool.training.step import mini_batches
-
+def _measured(stage: str, work) -> dict:
+    """`work()`, measured in this process as a stage is."""
     reset_peak()
     io, started, cpu = io_bytes(), time.perf_counter(), time.process_time()
-    config = settings.trainer
-    datums = datums_from_table(read_table(RunFolder(settings.run_dir).step(0).datums, DATUMS))
-    batches = 0
-    for members in mini_batches(len(datums), config.ppo_mini_batches):
-        chosen = [datums[i] for i in members]
-        batches += len(
-            pack_micro_batches([d.num_tokens for d in chosen], config.micro_batch_items, config.micro_batch_tokens)
-        )
-        loss_token_weights([d.loss_tokens for d in chosen], config.loss_aggregation, len(datums))
+    figures = work()
     now = io_bytes()
     return {
-        "stage": "TrainStep (plan only)",
+        "stage": stage,
         "seconds": time.perf_counter() - started,
         "cpu_seconds": time.process_time() - cpu,
         "peak_bytes": peak_bytes(),
         "read_bytes": now["read"] - io["read"],
         "written_bytes": now["written"] - io["written"],
-        "output_bytes": 0,
-        "files": 0,
-        "micro_batches": batches,
+        **figures,
     }
+
+
+def plan_training(settings: RunSettings) -> dict:
+    """What the trainer does with the step's files before its first forward pass: reads the shards' datums, splits
+    them into mini-batches and packs those into micro-batches with their loss weights."""
+    from retool.files.layout import RunFolder
+    from retool.training.packing import loss_token_weights, pack_micro_batches
+    from retool.training.resume import read_datums
+    from retool.training.step import mini_batches
+
+    def plan() -> dict:
+        config, folder = settings.trainer, RunFolder(settings.run_dir).step(0)
+        datums = read_datums(tuple(folder.shard_datums(shard) for shard in range(settings.rollout.shards)))
+        batches = 0
+        for members in mini_batches(len(datums), config.ppo_mini_batches):
+            chosen = [datums[i] for i in members]
+            items, tokens = config.micro_batch_items, config.micro_batch_tokens
+            batches += len(pack_micro_batches([d.num_tokens for d in chosen], items, tokens))
+            loss_token_weights([d.loss_tokens for d in chosen], config.loss_aggregation, len(datums))
+        return {"output_bytes": 0, "files": 0, "micro_batches": batches}
+
+    return _measured("TrainStep (plan only)", plan)
+
+
+def join_datums(settings: RunSettings) -> dict:
+    """The step's datums.parquet, the shards' joined, as TrainStep writes it while the update runs."""
+    from jobs.build_datums import build_datums
+    from retool.config.settings import training_stage
+    from retool.files.layout import RunFolder
+
+    def join() -> dict:
+        folder = RunFolder(settings.run_dir).step(0)
+        shards = [folder.shard_datums(shard) for shard in range(settings.rollout.shards)]
+        build_datums(shards, folder.datums, training_stage(settings, 0), 0)
+        return {"output_bytes": folder.datums.stat().st_size, "files": 1}
+
+    return _measured(BESIDE_THE_UPDATE, join)
+
+
+BESIDE_THE_UPDATE = "BuildDatums (beside the update)"  # the stage TrainStep runs while it trains: no update waits

@@ -47,7 +47,8 @@ def run_mode(folder: Path, config: TrainerConfig, held: bool) -> dict[str, float
     for step in range(STEPS):
         previous = folder / f"step{step - 1}" if step else None
         full = not held or saves_in_full(step, SAVE_EVERY)
-        inputs = StepInputs(model_dir, path, 6, 0, previous, folder / f"step{step}", config, "" if full else "bfloat16")
+        served_in = "" if full else "bfloat16"
+        inputs = StepInputs(model_dir, (path,), 6, 0, previous, folder / f"step{step}", config, served_in)
         started = time.perf_counter()
         metrics = train_from_files(inputs, "cpu", "cpu" if held else "")
         seconds = time.perf_counter() - started

@@ -1,16 +1,18 @@
 """ShardDatums: one shard's trajectories of the groups that train, as the trainer's token rows ->
-shard=NN/datums.parquet; BuildDatums: the shards' together -> datums.parquet."""
+shard=NN/datums.parquet, which the trainer reads; BuildDatums: the shards' together -> datums.parquet, which TrainStep
+writes while it trains."""
 
 from __future__ import annotations
 
-import heapq
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from retool.config.settings import StageSettings
+from retool.evaluation.metrics import record_stage_seconds
 from retool.files.layout import RoundPaths
-from retool.files.tables import DATUMS, TRAJECTORIES, read_table, write_table_atomically
-from retool.rollout.datums import datums_from_table, datums_to_table
+from retool.files.tables import DATUMS, TRAJECTORIES, parquet_seconds, read_table, write_table_atomically
+from retool.rollout.datums import datums_to_table, step_datums
 from retool.rollout.replay import replay_files, shard_of
 from retool.rollout.stage_tables import describe_datums, trained_datums
 from retool.run.shared import protocol_for
@@ -39,12 +41,12 @@ def shard_datums(
     return describe_datums(table)
 
 
-def build_datums(shards: Sequence[Path], out: Path, stage: StageSettings, step: int) -> str:
-    """`shards`: every shard's datums.parquet, merged in (question, branch) order: each shard's rows are in that
-    order, and a merge of their rows' numpy views costs no copy of a token until the file's columns are built
-    (Arrow's `take` on list columns costs seconds a step)."""
-    parts = [datums_from_table(read_table(path, DATUMS)) for path in shards]
-    merged = heapq.merge(*parts, key=lambda datum: (datum.question_index, datum.group_index))
-    table = datums_to_table(list(merged), step, stage.sampled_by)
+def build_datums(shards: Sequence[Path], out: Path, stage: StageSettings, step: int, timings: Path) -> str:
+    """`shards`: every shard's datums.parquet, merged in (question, branch) order into the step's (`step_datums`;
+    Arrow's `take` on list columns costs seconds a step). Its wall time goes in the step's `timings`."""
+    started, parquet = time.perf_counter(), parquet_seconds()
+    table = datums_to_table(step_datums([read_table(path, DATUMS) for path in shards]), step, stage.sampled_by)
     write_table_atomically(table, out)
+    spent = (time.perf_counter() - started, parquet_seconds() - parquet)
+    record_stage_seconds(timings, "BuildDatums", "BuildDatums", *spent, {})
     return describe_datums(table)

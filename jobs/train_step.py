@@ -1,12 +1,14 @@
-"""TrainStep: one PPO update from the step's datums -> checkpoint/ (the policy the next step samples), then the
-step's metrics -> metrics.parquet. Older steps' weights are pruned once this checkpoint is written ([run] keep_last,
-keep_every): their metrics and markers stay."""
+"""TrainStep: one PPO update from the step's shards' datums -> checkpoint/ (the policy the next step samples), their
+join -> datums.parquet meanwhile, then the step's metrics -> metrics.parquet. Older steps' weights are pruned once this
+checkpoint is written ([run] keep_last, keep_every): their metrics and markers stay."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from jobs.build_datums import build_datums
 from retool.config.sampler import engine_dtype
 from retool.config.settings import StageSettings
 from retool.config.trainer import saves_in_full
@@ -21,8 +23,9 @@ from retool.weights.models import behaviour_policy, rl_base
 
 
 def train_step(
-    datums: Path, trajectories: Path, observations: Sequence[Path], previous: Path | None, cold_start: Path | None,
-    behaviour: Path | None, checkpoint: Path, metrics: Path, timings: Path, stage: StageSettings, step: int,
+    shard_datums: Sequence[Path], datums: Path, trajectories: Path, observations: Sequence[Path],
+    previous: Path | None, cold_start: Path | None, behaviour: Path | None, checkpoint: Path, metrics: Path,
+    timings: Path, stage: StageSettings, step: int,
 ) -> str:  # fmt: skip
     """`previous`: the checkpoint the update starts from (None: step 0, from the RL base: the cold start's checkpoint
     `cold_start`, or the model setting); `behaviour`: the older step's that sampled it ([rollout] max_staleness);
@@ -37,7 +40,7 @@ def train_step(
     base = rl_base(cold_start, settings.model.name)
     inputs = StepInputs(
         base_model=base,
-        datums=datums,
+        datums=tuple(shard_datums),
         num_trajectories=num_trajectories,  # of the groups that train
         zero_variance_groups=zero_variance_groups,
         previous=previous,
@@ -46,12 +49,12 @@ def train_step(
         served_in="" if full_save else engine_dtype(settings.sampler, run.device),
         behaviour=behaviour_policy(stage.sampled_by, step, behaviour, base),
     )
-    training = train_placed(inputs, settings)
+    with ThreadPoolExecutor(max_workers=1) as beside:  # the update reads the shards: no update waits for the join
+        joined = beside.submit(build_datums, shard_datums, datums, stage, step, timings)
+        training, joined_datums = train_placed(inputs, settings), joined.result()
     steps = [(s, RunFolder(settings.run_dir).step(s).checkpoint) for s in range(step + 1)]
     prune_checkpoints(steps, run.keep_last, run.keep_every)
-    containment = sandbox_for(settings.sandbox).containment.describe()
-    row = write_step_metrics(
-        metrics, step, trajectories, observations, timings, training, sandbox_containment=containment
-    )
+    extra = {"sandbox_containment": sandbox_for(settings.sandbox).containment.describe()}
+    row = write_step_metrics(metrics, step, trajectories, observations, timings, training, **extra)
     Tracker.of(settings).log(step, scalars(row))
-    return f"{describe_metrics(training)}\n  {describe_step(row)}"
+    return f"{describe_metrics(training)}\n  datums.parquet: {joined_datums}\n  {describe_step(row)}"

@@ -7,7 +7,6 @@ from pipeline.cold_start import ColdStart, SFTExamples  # noqa: F401
 from pipeline.config import SECTIONS  # noqa: F401  (the settings' Luigi config sections)
 from pipeline.evaluation import BeforeAfter, Evaluate, Report  # noqa: F401
 from pipeline.tasks import (  # noqa: F401
-    BuildDatums,
     ExecuteRound,
     Prompts,
     SampleRound,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import luigi
 
-from jobs.build_datums import build_datums, shard_datums
+from jobs.build_datums import shard_datums
 from jobs.execute_round import execute_round
 from jobs.prompts import prompts
 from jobs.sample_round import sample_round
@@ -166,7 +166,7 @@ class RunTask(luigi.Task):
             "prompts": self.clone(Prompts),
             "shards": self.all_rounds(),
             "trajectories": self.clone(ScoreTrajectories),
-            "datums": self.clone(BuildDatums),
+            "trained": self.clone(TrainStep),  # its datums.parquet
         }
 
 
@@ -309,28 +309,17 @@ class ShardDatums(RunTask):
         )  # fmt: skip
 
 
-class BuildDatums(RunTask):
-    def requires(self):
-        return {"shards": [self.clone(ShardDatums, shard=shard) for shard in range(self.rollout.shards)]}
-
-    def output(self):
-        return self.target(self.folder.datums)
-
-    def run(self):
-        shards = [path(target) for target in self.input()["shards"]]
-        self.summary = build_datums(shards, path(self.output()), self.stage, self.step)
-
-
 class TrainStep(RunTask):
-    """One PPO update from the step's datums; its checkpoint is the policy the next step samples.
-    Also writes the step's metrics.parquet and prints them as one line."""
+    """One PPO update from the step's datums (its shards'); its checkpoint is the policy the next step samples.
+    Also writes the step's metrics.parquet and prints them as one line, and, while it trains, the step's
+    datums.parquet: the shards' joined (the stage BuildDatums of the step's timings)."""
 
     def requires(self):
         observations = [r["observations"] for rounds in self.all_rounds() for r in rounds]
-        step = {"datums": self.clone(BuildDatums), "trajectories": self.clone(ScoreTrajectories)}
+        step = {"datums": self.shard_datums(self.step), "trajectories": self.clone(ScoreTrajectories)}
         previous = {"previous": TrainStep(step=self.step - 1)} if self.step > 0 else {}  # step 0 starts from rl_base
         # Steps since the newest full save, which a resume replays from their datums (see retool/training/resume.py).
-        replayed = [BuildDatums(step=s) for s in replayed_steps(self.step, self.settings.trainer.save_every)]
+        replayed = [self.shard_datums(s) for s in replayed_steps(self.step, self.settings.trainer.save_every)]
         return {
             **step,
             "observations": observations,
@@ -340,6 +329,10 @@ class TrainStep(RunTask):
             "replayed": replayed,
         }
 
+    def shard_datums(self, step: int) -> list[ShardDatums]:
+        """What the update of `step` reads: its shards' datums."""
+        return [ShardDatums(step=step, shard=shard) for shard in range(self.rollout.shards)]
+
     def behaviour(self) -> dict[str, luigi.Task]:
         """{"behaviour": the older step that sampled this one} when the step trains [rollout] max_staleness steps
         behind: the sampler-gap check compares with its checkpoint (sampled by the RL base: `rl_base`, or none)."""
@@ -347,16 +340,21 @@ class TrainStep(RunTask):
         return {"behaviour": TrainStep(step=source)} if 0 <= source < self.step - 1 else {}
 
     def output(self):
-        """The checkpoint's marker and the step's metrics: a run killed between the two trains the
-        step again (deterministically) rather than leaving the metrics out."""
+        """The checkpoint's marker, the step's metrics and its datums.parquet: a run killed before all three are
+        written trains the step again (deterministically) rather than leaving one out."""
         folder = self.folder
-        return {"checkpoint": self.target(Checkpoint(folder.checkpoint).marker), "metrics": self.target(folder.metrics)}
+        return {
+            "checkpoint": self.target(Checkpoint(folder.checkpoint).marker),
+            "metrics": self.target(folder.metrics),
+            "datums": self.target(folder.datums),
+        }
 
     def run(self):
         self.set_status_message("training one PPO step")
         inputs, outputs = self.input(), self.output()
         self.summary = train_step(
-            path(inputs["datums"]), path(inputs["trajectories"]), [path(t) for t in inputs["observations"]],
+            [path(t) for t in inputs["datums"]], path(outputs["datums"]), path(inputs["trajectories"]),
+            [path(t) for t in inputs["observations"]],
             checkpoint_of(inputs, "previous"), checkpoint_of(inputs, "rl_base"), checkpoint_of(inputs, "behaviour"),
             path(outputs["checkpoint"]).parent, path(outputs["metrics"]), self.folder.timings, self.stage, self.step,
         )  # fmt: skip
@@ -374,7 +372,7 @@ def round_paths(rounds: list[dict]) -> list[RoundPaths]:
 def page_files(inputs: dict) -> PageFiles:
     """The inputs of `RunTask.page` as paths."""
     rounds = [paths for shard in inputs["shards"] for paths in round_paths(shard)]
-    return PageFiles(path(inputs["prompts"]), rounds, path(inputs["trajectories"]), path(inputs["datums"]))
+    return PageFiles(path(inputs["prompts"]), rounds, path(inputs["trajectories"]), path(inputs["trained"]["datums"]))
 
 
 def checkpoint_of(inputs: dict, name: str = "policy") -> Path | None:

@@ -199,7 +199,7 @@ def test_a_run_whose_disk_fills_up_fails_in_one_line_then_finishes_once_space_is
     line = rf"no space left on device writing {re.escape(str(datums))} {FREE}"
     assert re.search(rf"^(ERROR: )?{line}$", full.stderr, re.MULTILINE), full.stderr[-3000:]  # each try
     assert "Traceback" not in full.stderr, full.stderr[-3000:]
-    assert re.search(rf"^TrainStep\(step=0\): not done: BuildDatums: {line}$", full.stdout, re.MULTILINE), full.stdout
+    assert re.search(rf"^TrainStep\(step=0\): not done: TrainStep: {line}$", full.stdout, re.MULTILINE), full.stdout
     assert not datums.exists() and not list(datums.parent.glob(".datums.parquet.tmp-*"))
     assert_nothing_half_written(runs / "faulty")
     assert_no_process_left("the run that found its disk full")

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import retool.sampling.engines
-from pipeline import BeforeAfter, BuildDatums, Report, SampleRound, TrainStep
+from pipeline import BeforeAfter, Report, SampleRound, TrainStep
 from retool.run.setup import open_run
 from retool.weights.checkpoint import Checkpoint
 from tests.conftest import REPO
@@ -122,8 +122,8 @@ def test_a_train_step_and_a_sample_round_reach_the_library_through_few_files(con
     sampler = tool_policy(settings)
     monkeypatch.setattr(retool.sampling.engines, "sampler_for", lambda *_: sampler)
     monkeypatch.setattr(retool.sampling.engines, "_engines", {})  # as in a new process: no engine an earlier test left
-    assert luigi.build([BuildDatums(step=0)], local_scheduler=True, workers=1, log_level="WARNING")
     train, sample = TrainStep(step=0), SampleRound(step=0, round=0)
+    assert luigi.build(train.requires()["datums"], local_scheduler=True, workers=1, log_level="WARNING")
     train.set_status_message = sample.set_status_message = lambda message: None
     to_optimizer = files_entered(train.run, lambda code: code.co_name == "step" and "torch/optim/" in code.co_filename)
     to_sampler = files_entered(sample.run, lambda code: code.co_filename.endswith("retool/sampling/scripted.py"))

@@ -88,19 +88,19 @@ def test_decoupled_ppo_clips_against_the_policy_before_the_update(tiny_model_dir
 
 
 def test_each_row_records_the_checkpoint_that_sampled_it(configure, monkeypatch):
-    from pipeline import BuildDatums
+    from pipeline import ShardDatums
     from retool.files.layout import RunFolder
     from tests.pipeline_helpers import TRAIN, tool_policy
 
     settings = configure("recorded", rollout={"max_staleness": 1}, trainer=TRAIN)
     monkeypatch.setattr("retool.sampling.engines.sampler_for", lambda settings, *_: tool_policy(settings))
-    assert luigi.build([BuildDatums(step=1), BuildDatums(step=2)], local_scheduler=True, workers=1, log_level="WARNING")
+    assert luigi.build([ShardDatums(step=1), ShardDatums(step=2)], local_scheduler=True, workers=1, log_level="WARNING")
     for step, policy in ((0, -1), (1, -1), (2, 0)):
         folder = RunFolder(settings.run_dir).step(step)
         tables = (
             read_table(folder.samples(0, 0), SAMPLES),
             read_table(folder.trajectories, TRAJECTORIES),
-            read_table(folder.datums, DATUMS),
+            read_table(folder.shard_datums(0), DATUMS),
         )
         assert all(set(table.column("policy_step").to_pylist()) <= {policy} for table in tables), step
 
@@ -177,7 +177,7 @@ def test_a_stale_steps_sampler_gap_is_taken_under_the_policy_that_sampled_it(tin
     drifted = update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), datums, config, num_trajectories=2)
     weights = {name: value.clone() for name, value in model.state_dict().items()}
     random_state = torch.get_rng_state()
-    files = {"datums": tmp_path / "datums.parquet", "previous": tmp_path / "step0", "out": tmp_path / "step1"}
+    files = {"datums": (tmp_path / "datums.parquet",), "previous": tmp_path / "step0", "out": tmp_path / "step1"}
     inputs = StepInputs(tiny_model_dir, **files, num_trajectories=2, zero_variance_groups=0, config=config)
     inputs = replace(inputs, behaviour=tiny_model_dir)  # sampled by the base model
     gap = gap_to_behaviour(model, model, datums, inputs, "cpu")

@@ -386,7 +386,8 @@ def test_a_sampler_that_does_not_serve_the_policy_fails_the_step_before_saving(c
         folder = step_dir(settings, 0)
         observations = sorted(folder.glob("shard=*/round=*/observations.parquet"))
         train_step(
-            folder / "datums.parquet", folder / "trajectories.parquet", observations, None, None, None,
+            sorted(folder.glob("shard=*/datums.parquet")), folder / "datums.parquet", folder / "trajectories.parquet",
+            observations, None, None, None,
             folder / "checkpoint", folder / "metrics.parquet", folder / "_timings", training_stage(settings, 0), 0,
         )  # fmt: skip
 

@@ -38,7 +38,7 @@ def train(folder, model_dir, config, steps, save_every, resident_trainer=True):
     for step in steps:
         inputs = StepInputs(
             model_dir,
-            write_datums(folder, step),
+            (write_datums(folder, step),),
             3,
             0,
             folder / f"step={step - 1:04d}" / "checkpoint" if step else None,
@@ -52,7 +52,7 @@ def train(folder, model_dir, config, steps, save_every, resident_trainer=True):
 def step_inputs(folder, model_dir, config, step, served_in="bfloat16"):
     """Step `step` of a run in `folder` (its datums written), as a training group is handed it."""
     previous = folder / f"step={step - 1:04d}" / "checkpoint" if step else None
-    datums = write_datums(folder, step)
+    datums = (write_datums(folder, step),)
     return StepInputs(model_dir, datums, 3, 0, previous, folder / f"step={step:04d}" / "checkpoint", config, served_in)
 
 

@@ -225,7 +225,7 @@ def test_two_processes_give_the_same_parameters_as_one(tiny_model_dir, tmp_path,
     for name, command in (("one", worker), ("two", [*torchrun, *worker])):
         for step, previous in ((0, None), (1, tmp_path / f"{name}0")):
             inputs = StepInputs(
-                tiny_model_dir, tmp_path / "datums.parquet", 6, 0, previous, tmp_path / f"{name}{step}", config
+                tiny_model_dir, (tmp_path / "datums.parquet",), 6, 0, previous, tmp_path / f"{name}{step}", config
             )
             (tmp_path / f"{name}{step}.json").write_text(inputs.to_json())
             subprocess.run(

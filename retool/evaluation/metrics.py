@@ -19,8 +19,9 @@ from retool.rollout.scoring import zero_variance_groups
 from retool.rollout.state import REFUSED, STOP_REASONS
 from retool.training.record import StepMetrics
 
-# The stages of a training step, by the names their wall times are recorded under (the pipeline's tasks):
-# every step's metrics has a seconds_<stage> column for each, 0 for a stage that did not run in that command.
+# The stages of a training step, by the names their wall times are recorded under (the pipeline's tasks, and
+# BuildDatums: the datums' join that TrainStep runs while it trains): every step's metrics has a seconds_<stage>
+# column for each, 0 for a stage that did not run in that command.
 ROLLOUT_STAGES = (
     "Prompts", "SampleRound", "ExecuteRound", "ScoreShard", "ScoreTrajectories", "ShardDatums", "BuildDatums"
 )  # fmt: skip

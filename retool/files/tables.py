@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -190,23 +191,23 @@ def row_views(column: pa.ChunkedArray) -> list[numpy.ndarray]:
     return [values[start:end] for start, end in zip(offsets[:-1], offsets[1:])]
 
 
-_parquet_seconds = 0.0  # spent by this process in read_table and write_table_atomically
+_parquet = threading.local()  # seconds spent in read_table and write_table_atomically, by each thread of the process
 
 
 def parquet_seconds() -> float:
-    """Seconds this process has spent reading and writing pipeline Parquet files so far."""
-    return _parquet_seconds
+    """Seconds this thread has spent reading and writing pipeline Parquet files so far (a task runs in one thread;
+    TrainStep writes the step's datums in another while it trains)."""
+    return getattr(_parquet, "seconds", 0.0)
 
 
 def _timed(function):
     @functools.wraps(function)
     def timed(*args, **kwargs):
-        global _parquet_seconds
         started = time.perf_counter()
         try:
             return function(*args, **kwargs)
         finally:
-            _parquet_seconds += time.perf_counter() - started
+            _parquet.seconds = parquet_seconds() + time.perf_counter() - started
 
     return timed
 

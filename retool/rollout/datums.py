@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -135,3 +136,10 @@ def datums_from_table(table: pa.Table) -> list[Datum]:
             zip(table.column("question_index").to_pylist(), table.column("group_index").to_pylist(), strict=True)
         )
     ]
+
+
+def step_datums(shards: Sequence[pa.Table]) -> list[Datum]:
+    """A step's datums from its shards' tables, in (question, branch) order: each shard's rows are in that order, and
+    merging their rows' numpy views copies no token."""
+    parts = [datums_from_table(table) for table in shards]
+    return list(heapq.merge(*parts, key=lambda datum: (datum.question_index, datum.group_index)))

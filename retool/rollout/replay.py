@@ -73,7 +73,7 @@ def replay(
 
 
 Detail = Literal["tokens", "lengths", "state"]
-"""What a replay reads of the earlier rounds' tokens: every turn's, as numpy views (BuildDatums, which needs no next
+"""What a replay reads of the earlier rounds' tokens: every turn's, as numpy views (ShardDatums, which needs no next
 prompt: every trajectory has ended); only their counts (scoring); or none but the next prompts, from the last
 round's observations (a round's stages: what they sample from and extend). A round then reads each earlier
 round's small columns, and the tokens of none of them."""

@@ -126,7 +126,7 @@ def restore_observation(trajectory: Trajectory, row: dict, protocol: ChatProtoco
 
 
 def trajectory_row(trajectory: Trajectory, step: int, policy_step: int) -> dict:
-    """From the turns' lengths: scoring replays no token (BuildDatums checks that each prompt extends the last)."""
+    """From the turns' lengths: scoring replays no token (ShardDatums checks that each prompt extends the last)."""
     return {
         "step": step,
         "question_index": trajectory.question_index,

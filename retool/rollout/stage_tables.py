@@ -162,7 +162,7 @@ def trajectories_table(trajectories: Sequence[Trajectory], step: int, policy_ste
 def datums_table(
     trajectories: Sequence[Trajectory], scored: pa.Table, step: int, policy_step: int, trainer_max_tokens: int
 ) -> pa.Table:
-    """BuildDatums: the datums of `trained_datums`, as datums.parquet."""
+    """The datums of `trained_datums`, as a datums.parquet table."""
     return datums_to_table(trained_datums(trajectories, scored, trainer_max_tokens), step, policy_step)
 
 

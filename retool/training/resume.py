@@ -23,7 +23,7 @@ from retool.config.settings import RunSettings
 from retool.config.trainer import TrainerConfig, resolved_data_parallel
 from retool.files.layout import RunFolder
 from retool.files.tables import DATUMS, read_table
-from retool.rollout.datums import Datum, datums_from_table
+from retool.rollout.datums import Datum, step_datums
 from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memory, sampler_kind
 from retool.training import parallel, resident
 from retool.training.checkpoints import save_checkpoint
@@ -50,7 +50,7 @@ class StepInputs:
     the checkpoint keeps it (inputs.json), so that a resume can replay the step."""
 
     base_model: Path  # the weights RL starts from, which LoRA adapters apply to
-    datums: Path  # the step's datums.parquet
+    datums: tuple[Path, ...]  # the step's datums files (its shards'), read as one in (question, branch) order
     num_trajectories: int  # trajectories of the groups that train (sample_mean's denominator)
     zero_variance_groups: int  # groups of equal rewards, recorded in the metrics
     previous: Path | None  # the checkpoint of the step before (None: the base model)
@@ -68,8 +68,10 @@ class StepInputs:
     def from_json(cls, text: str) -> StepInputs:
         fields = json.loads(text)
         fields.pop("stale", None)  # recorded by earlier versions, which made no check of a stale step
-        names = ("base_model", "datums", "previous", "out", "behaviour")
+        names = ("base_model", "previous", "out", "behaviour")
         paths = {name: Path(fields[name]) if fields.get(name) else None for name in names}
+        datums = fields["datums"]  # earlier versions recorded the step's datums.parquet alone
+        paths["datums"] = tuple(Path(p) for p in ([datums] if isinstance(datums, str) else datums))
         config = TrainerConfig(**fields["config"])
         if config.data_parallel == "auto":  # recorded unresolved by earlier versions (the only `auto` they left)
             config = replace(config, data_parallel=resolved_data_parallel("auto", config.lora_rank))
@@ -88,7 +90,7 @@ def train_from_files(inputs: StepInputs, device: str = "cpu", hold_on: str = "")
     check_memory(base_model, config, device, parallel.rank_and_world()[1])
     model, trained, optimizer = starting_state(inputs, device)
     try:
-        datums = datums_from_table(read_table(inputs.datums, DATUMS))
+        datums = read_datums(inputs.datums)
         # Samples of an older policy are checked against it (their gap to this one is the policy's own change): one
         # pass under its weights, taken for the check only; without the check a stale step's gap is not measured.
         gap = None
@@ -176,9 +178,13 @@ def starting_state(inputs: StepInputs, device: str):
     optimizer = optimizer_for(model, start, config, device)  # over the weights as this process holds them
     for step in replays:
         # The same update as the first time (the settings it ran with), without the checks it passed then.
-        datums = datums_from_table(read_table(step.datums, DATUMS))
+        datums = read_datums(step.datums)
         update_policy(trained, optimizer, datums, step.config, step.num_trajectories, device, step.zero_variance_groups)
     return model, trained, optimizer
+
+
+def read_datums(paths: tuple[Path, ...]) -> list[Datum]:
+    return step_datums([read_table(path, DATUMS) for path in paths])
 
 
 def steps_to_replay(checkpoint: Path | None) -> tuple[list[StepInputs], Path | None]:
@@ -203,14 +209,21 @@ _RELATIVE = ("datums", "previous", "out", "behaviour")
 def recorded(inputs: StepInputs) -> dict:
     """The step's inputs as its checkpoint keeps them (inputs.json)."""
     fields = json.loads(inputs.to_json())
-    return {**fields, **{name: os.path.relpath(fields[name], inputs.out) for name in _RELATIVE if fields[name]}}
+    return {**fields, **{name: _paths(fields[name], lambda p: os.path.relpath(p, inputs.out)) for name in _RELATIVE}}
 
 
 def replay_of(checkpoint: Path) -> StepInputs:
     """The inputs `checkpoint` was trained from, as its inputs.json records them."""
     fields = json.loads(Checkpoint(checkpoint).inputs.read_text())
-    paths = {name: os.path.normpath(checkpoint / fields[name]) for name in _RELATIVE if fields.get(name)}
+    paths = {name: _paths(fields.get(name), lambda p: os.path.normpath(checkpoint / p)) for name in _RELATIVE}
     return StepInputs.from_json(json.dumps({**fields, **paths}))
+
+
+def _paths(value: str | list[str] | None, change):
+    """`change` applied to a recorded path, or to each of a list of them (the datums'); None stays None."""
+    if not value:
+        return value
+    return [change(path) for path in value] if isinstance(value, list) else change(value)
 
 
 class PolicySyncError(RuntimeError):
