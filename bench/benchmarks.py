@@ -73,15 +73,10 @@ def uniform_policy(settings: RunSettings) -> ScriptedSampler:
 
 
 def luigi_build(
-    settings: RunSettings,
-    task: Callable[..., luigi.Task | list[luigi.Task]],
-    workers: int = 1,
-    scheduler_port: int = 0,
-    **parameters,
+    settings: RunSettings, task: type[luigi.Task], workers: int = 1, scheduler_port: int = 0, **parameters
 ) -> float:
-    """Runs `task` (a task class, or a function that makes a list of them) under `settings` (made after they are
-    set: a task sets its run up when it is made), with Luigi's local scheduler or (`scheduler_port`) a luigid on
-    this machine."""
+    """Runs `task` under `settings` (made after they are set: a task sets its run up when it is made), with Luigi's
+    local scheduler or (`scheduler_port`) a luigid on this machine."""
     config = luigi.configuration.get_config()
     for name, section in settings.sections().items():
         if not config.has_section(name):
@@ -90,10 +85,10 @@ def luigi_build(
             config.set(name, field.name, str(getattr(section, field.name)))
     luigi.task_register.Register.clear_instance_cache()
     started = time.perf_counter()
-    tasks = luigi.task.flatten(task(**parameters))
+    task = task(**parameters)
     scheduler = {"scheduler_host": "127.0.0.1", "scheduler_port": scheduler_port} if scheduler_port else {}
-    if not luigi.build(tasks, local_scheduler=not scheduler_port, workers=workers, log_level="WARNING", **scheduler):
-        raise RuntimeError(f"{tasks} failed")
+    if not luigi.build([task], local_scheduler=not scheduler_port, workers=workers, log_level="WARNING", **scheduler):
+        raise RuntimeError(f"{task} failed")
     return time.perf_counter() - started
 
 

@@ -19,6 +19,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import luigi
+
 import bench.retool_shape
 from bench import stage_meter
 from bench.benchmarks import REPO, luigi_build
@@ -60,11 +62,16 @@ def settings_for(
     )
 
 
-def shard_datums(step: int) -> list:
-    """What TrainStep reads: the last of the rollout stages, whose tasks the bench runs through Luigi."""
-    from pipeline.tasks import TrainStep
+class StepDatums(luigi.WrapperTask):
+    """What TrainStep requires, without its update: one root task, as TrainStep is in a command (Luigi walks the
+    graph of each root it is given apart: the shards' datums as roots would walk the step once per shard)."""
 
-    return TrainStep(step=step).shard_datums(step)
+    step = luigi.IntParameter(description="the training step")
+
+    def requires(self):
+        from pipeline.tasks import TrainStep
+
+        return TrainStep(step=self.step).shard_datums(self.step)
 
 
 def measure_step(
@@ -94,9 +101,9 @@ def measure_step(
         config = workdir / f"{name}.cfg"
         config.write_text("")
         with central_scheduler(config, free_port(), workdir / f"{name}.state") as port:
-            wall = luigi_build(settings, shard_datums, workers=workers, scheduler_port=port, step=0)
+            wall = luigi_build(settings, StepDatums, workers=workers, scheduler_port=port, step=0)
     else:
-        wall = luigi_build(settings, shard_datums, workers=workers, step=0)
+        wall = luigi_build(settings, StepDatums, workers=workers, step=0)
     records = [json.loads(line) for line in stage_meter.LOG.read_text().splitlines()]
     stage_meter.LOG = None
     planned, joined = stage_meter.plan_training(settings), stage_meter.join_datums(settings)

@@ -149,7 +149,7 @@ def join_datums(settings: RunSettings) -> dict:
     def join() -> dict:
         folder = RunFolder(settings.run_dir).step(0)
         shards = [folder.shard_datums(shard) for shard in range(settings.rollout.shards)]
-        build_datums(shards, folder.datums, training_stage(settings, 0), 0)
+        build_datums(shards, folder.datums, training_stage(settings, 0), 0, folder.timings)
         return {"output_bytes": folder.datums.stat().st_size, "files": 1}
 
     return _measured(BESIDE_THE_UPDATE, join)
