@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import retool.training.resume
-from retool.config.trainer import saves_in_full
+from retool.config.trainer import TrainerConfig, saves_in_full
 from retool.files.tables import DATUMS, table_from_rows, write_table_atomically
 from retool.training import resident
 from retool.training.resume import ResumeError, StepInputs, train_from_files
@@ -54,6 +54,16 @@ def step_inputs(folder, model_dir, config, step, served_in="bfloat16"):
     previous = folder / f"step={step - 1:04d}" / "checkpoint" if step else None
     datums = (write_datums(folder, step),)
     return StepInputs(model_dir, datums, 3, 0, previous, folder / f"step={step:04d}" / "checkpoint", config, served_in)
+
+
+def test_inputs_read_back_and_a_record_of_one_datums_file_still_reads(tmp_path):
+    """A step's inputs.json lists its shards' datums; one written before that names the step's datums.parquet."""
+    import json
+
+    inputs = step_inputs(tmp_path, tmp_path / "model", TrainerConfig(data_parallel="ddp"), 0)  # as resolved
+    assert StepInputs.from_json(inputs.to_json()) == inputs
+    earlier = json.loads(inputs.to_json()) | {"datums": str(tmp_path / "datums.parquet")}
+    assert StepInputs.from_json(json.dumps(earlier)).datums == (tmp_path / "datums.parquet",)
 
 
 def state_of(checkpoint):

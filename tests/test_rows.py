@@ -9,7 +9,7 @@ import sys
 from retool.data.examples import MathExample
 from retool.data.frontier import Draw
 from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
-from retool.rollout.datums import LIST_COLUMNS, Datum, datums_from_table, datums_to_table
+from retool.rollout.datums import LIST_COLUMNS, Datum, datums_from_table, datums_to_table, step_datums
 from retool.rollout.rows import (
     example_of,
     observation_row,
@@ -73,6 +73,15 @@ def test_what_is_written_reads_back(hermes):
         r"\boxed{42}",
         1,
     )
+
+
+def test_a_steps_datums_are_its_shards_merged_in_question_and_branch_order():
+    """What the update reads (every shard's datums, question q in shard q % shards) is the step's datums.parquet."""
+    datums = [Datum(q, g, [q, g], [g, q], [0.0, -0.5], [0.0, 1.0], [False, True]) for q in range(5) for g in (0, 2)]
+    shards = [datums_to_table([d for d in datums if d.question_index % 3 == shard], 0, -1) for shard in range(3)]
+    merged = step_datums(shards)
+    assert [(d.question_index, d.group_index) for d in merged] == [(d.question_index, d.group_index) for d in datums]
+    assert datums_to_table(merged, 0, -1).equals(datums_to_table(datums, 0, -1))
 
 
 def test_a_process_that_touches_the_files_keeps_its_buffers_off_huge_pages():
