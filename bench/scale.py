@@ -80,7 +80,6 @@ def measure_step(
     """One step of `trajectories` in `shards` through Luigi (`workers` processes; with `luigid`, a central
     scheduler on this machine): each stage's figures, summed over its tasks, and the step's tokens, files and
     scheduling."""
-
     from retool.files.layout import RunFolder
     from retool.files.tables import TRAJECTORIES, read_table
     from retool.sampling import engines

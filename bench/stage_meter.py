@@ -17,6 +17,7 @@ from bench.retool_shape import PrintingSandbox
 from retool.config.settings import RunSettings
 
 LOG: Path | None = None  # where each finished stage appends its figures (a JSON line); None: not measuring
+BESIDE_THE_UPDATE = "BuildDatums (beside the update)"  # the stage TrainStep runs while it trains: no update waits
 
 
 def io_bytes() -> dict[str, int]:
@@ -118,17 +119,23 @@ def _measured(stage: str, work) -> dict:
     }
 
 
+def _shard_datums(settings: RunSettings) -> list[Path]:
+    """Step 0's shards' datums files, which the update reads."""
+    from retool.files.layout import RunFolder
+
+    folder = RunFolder(settings.run_dir).step(0)
+    return [folder.shard_datums(shard) for shard in range(settings.rollout.shards)]
+
+
 def plan_training(settings: RunSettings) -> dict:
     """What the trainer does with the step's files before its first forward pass: reads the shards' datums, splits
     them into mini-batches and packs those into micro-batches with their loss weights."""
-    from retool.files.layout import RunFolder
     from retool.training.packing import loss_token_weights, pack_micro_batches
     from retool.training.resume import read_datums
     from retool.training.step import mini_batches
 
     def plan() -> dict:
-        config, folder = settings.trainer, RunFolder(settings.run_dir).step(0)
-        datums = read_datums(tuple(folder.shard_datums(shard) for shard in range(settings.rollout.shards)))
+        config, datums = settings.trainer, read_datums(tuple(_shard_datums(settings)))
         batches = 0
         for members in mini_batches(len(datums), config.ppo_mini_batches):
             chosen = [datums[i] for i in members]
@@ -148,11 +155,7 @@ def join_datums(settings: RunSettings) -> dict:
 
     def join() -> dict:
         folder = RunFolder(settings.run_dir).step(0)
-        shards = [folder.shard_datums(shard) for shard in range(settings.rollout.shards)]
-        build_datums(shards, folder.datums, training_stage(settings, 0), 0, folder.timings)
+        build_datums(_shard_datums(settings), folder.datums, training_stage(settings, 0), 0, folder.timings)
         return {"output_bytes": folder.datums.stat().st_size, "files": 1}
 
     return _measured(BESIDE_THE_UPDATE, join)
-
-
-BESIDE_THE_UPDATE = "BuildDatums (beside the update)"  # the stage TrainStep runs while it trains: no update waits

@@ -184,6 +184,7 @@ def starting_state(inputs: StepInputs, device: str):
 
 
 def read_datums(paths: tuple[Path, ...]) -> list[Datum]:
+    """A step's datums files (its shards') as one list, in (question, branch) order."""
     return step_datums([read_table(path, DATUMS) for path in paths])
 
 
