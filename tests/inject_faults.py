@@ -6,7 +6,7 @@ OOM killer or a driver fault would kill it, while the command goes on:
   every call after it find the server gone until it is back;
 - $KILL_SANDBOX_AT_CALL=n: just before the command's n-th tool call, the sandbox's zygote and fork servers;
 - $DISK_FULL_AT=path: the disk fills up while that Parquet file is written: every write of it (through
-  pyarrow.parquet.write_table, which all of the pipeline's tables go through) writes a few bytes to its hidden
+  pyarrow.parquet.ParquetWriter, which all of the pipeline's tables go through) writes a few bytes to its hidden
   temporary, then fails as pyarrow does on a full disk (OSError ENOSPC). Other files are written as usual."""
 
 from __future__ import annotations
@@ -77,16 +77,17 @@ def kill_sandbox_servers_before_a_call() -> None:
 def fill_the_disk_while_writing() -> None:
     if "DISK_FULL_AT" not in os.environ:
         return
-    full_at, real_write = Path(os.environ["DISK_FULL_AT"]), pq.write_table
+    full_at = Path(os.environ["DISK_FULL_AT"])
     temporary = str(full_at.with_name(f".{full_at.name}.tmp-"))  # write_atomically's hidden temporary
 
-    def write_table(table, where, *args, **kwargs) -> None:
-        if isinstance(where, (str, os.PathLike)) and os.fsdecode(where).startswith(temporary):
-            Path(where).write_bytes(b"PAR1" + bytes(60))  # what fitted before the disk filled
-            raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
-        real_write(table, where, *args, **kwargs)
+    class ParquetWriter(pq.ParquetWriter):
+        def __init__(self, where, *args, **kwargs) -> None:
+            if isinstance(where, (str, os.PathLike)) and os.fsdecode(where).startswith(temporary):
+                Path(where).write_bytes(b"PAR1" + bytes(60))  # what fitted before the disk filled
+                raise OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+            super().__init__(where, *args, **kwargs)
 
-    pq.write_table = write_table
+    pq.ParquetWriter = ParquetWriter
 
 
 if __name__ == "__main__":

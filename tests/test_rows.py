@@ -6,10 +6,22 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pyarrow.parquet as pq
+
 from retool.data.examples import MathExample
 from retool.data.frontier import Draw
-from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, table_from_rows
-from retool.rollout.datums import LIST_COLUMNS, Datum, datums_from_table, datums_to_table, step_datums
+from retool.files.tables import (
+    DATUMS,
+    OBSERVATIONS,
+    PROMPTS,
+    SAMPLES,
+    TRAJECTORIES,
+    read_table,
+    table_from_rows,
+    write_tables_atomically,
+)
+from retool.rollout import datums as datums_module
+from retool.rollout.datums import LIST_COLUMNS, Datum, datums_from_table, datums_to_table, datums_to_tables, step_datums
 from retool.rollout.rows import (
     example_of,
     observation_row,
@@ -82,6 +94,22 @@ def test_a_steps_datums_are_its_shards_merged_in_question_and_branch_order():
     merged = step_datums(shards)
     assert [(d.question_index, d.group_index) for d in merged] == [(d.question_index, d.group_index) for d in datums]
     assert datums_to_table(merged, 0, -1).equals(datums_to_table(datums, 0, -1))
+
+
+def test_datums_written_in_parts_are_the_same_table_in_row_groups(tmp_path, monkeypatch):
+    """A step's datums are built and written a part of at most PART_TOKENS tokens at a time (one longer datum is a
+    part alone); the file reads back as the whole table, and its datums as the same arrays."""
+    monkeypatch.setattr(datums_module, "PART_TOKENS", 5)
+    datums = [Datum(q, 0, [q] * n, [q] * n, [0.0] * n, [1.0] * n, [True] * n) for q, n in enumerate((2, 3, 1, 7, 4))]
+    parts = list(datums_to_tables(datums, 3, 2))
+    assert [part.column("num_tokens").to_pylist() for part in parts] == [[2, 3], [1], [7], [4]]
+    written = write_tables_atomically(iter(parts), DATUMS, tmp_path / "datums.parquet")
+    assert pq.ParquetFile(tmp_path / "datums.parquet").metadata.num_row_groups == 4
+    whole = datums_to_table(datums, 3, 2)
+    assert written.equals(whole) and read_table(tmp_path / "datums.parquet", DATUMS).equals(whole)
+    read = datums_from_table(read_table(tmp_path / "datums.parquet", DATUMS))  # a chunk per row group
+    assert [list(d.input_tokens) for d in read] == [d.input_tokens for d in datums]
+    assert list(datums_to_tables([], 3, 2))[0].equals(datums_to_table([], 3, 2))  # no datums: one empty part
 
 
 def test_a_process_that_touches_the_files_keeps_its_buffers_off_huge_pages():

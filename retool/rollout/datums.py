@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -110,6 +110,7 @@ def datums_of(trajectories: list[Trajectory], trainer_max_tokens: int) -> list[D
 # Datums as datums.parquet's columns (files/tables.py DATUMS), and back.
 
 LIST_COLUMNS = ("input_tokens", "target_tokens", "old_logprobs", "advantages", "loss_mask")  # in Datum's order
+PART_TOKENS = 1 << 19  # tokens a part of a step's datums holds at most (one datum over it is a part alone)
 
 
 def datums_to_table(datums: Sequence[Datum], step: int, policy_step: int) -> pa.Table:
@@ -124,6 +125,19 @@ def datums_to_table(datums: Sequence[Datum], step: int, policy_step: int) -> pa.
         "policy_step": pa.array([policy_step] * count, pa.int32()),
     }
     return pa.Table.from_arrays([columns[name] for name in DATUMS.names], schema=DATUMS)
+
+
+def datums_to_tables(datums: Sequence[Datum], step: int, policy_step: int) -> Iterator[pa.Table]:
+    """`datums_to_table` a part of about PART_TOKENS tokens at a time: a part's five columns (10 MB) stay in the
+    CPU's caches while they are built and compressed; a 14 M-token step's built whole took twice the time a token."""
+    start, tokens = 0, 0
+    for end, datum in enumerate(datums):
+        if tokens and tokens + datum.num_tokens > PART_TOKENS:
+            yield datums_to_table(datums[start:end], step, policy_step)
+            start, tokens = end, 0
+        tokens += datum.num_tokens
+    if start < len(datums) or not datums:
+        yield datums_to_table(datums[start:], step, policy_step)
 
 
 def datums_from_table(table: pa.Table) -> list[Datum]:
