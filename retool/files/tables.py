@@ -194,7 +194,7 @@ def row_views(column: pa.ChunkedArray) -> list[numpy.ndarray]:
     return views
 
 
-_parquet = threading.local()  # seconds spent in read_table and write_table_atomically, by each thread of the process
+_parquet = threading.local()  # seconds spent in read_table and write_tables_atomically, by each thread of the process
 
 
 def parquet_seconds() -> float:
