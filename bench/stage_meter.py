@@ -105,29 +105,32 @@ def measuring():
 IN_PROCESS_RUNS = 3  # a stage measured in this process runs this often; its median run is kept
 
 
+def _run_once(stage: str, work) -> dict:
+    """`work()`, measured in this process as a stage is."""
+    reset_peak()
+    io, started, cpu = io_bytes(), time.perf_counter(), time.process_time()
+    figures = work()
+    now = io_bytes()
+    return {
+        "stage": stage,
+        "seconds": time.perf_counter() - started,
+        "cpu_seconds": time.process_time() - cpu,
+        "peak_bytes": peak_bytes(),
+        "read_bytes": now["read"] - io["read"],
+        "written_bytes": now["written"] - io["written"],
+        **figures,
+    }
+
+
 def _measured(stage: str, work) -> dict:
-    """`work()`, measured in this process as a stage is: the median of IN_PROCESS_RUNS runs (a run of a second or two
-    on a shared machine sometimes spends half a second more in the kernel, with the same page faults)."""
+    """The median of IN_PROCESS_RUNS measured runs of `work()` (a run of a second or two on a shared machine sometimes
+    spends half a second more in the kernel, with the same page faults)."""
     from retool.files.tables import forget_read_files
 
     runs = []
     for _ in range(IN_PROCESS_RUNS):
         forget_read_files()  # each run reads its files, as the stage's own process would
-        reset_peak()
-        io, started, cpu = io_bytes(), time.perf_counter(), time.process_time()
-        figures = work()
-        now = io_bytes()
-        runs.append(
-            {
-                "stage": stage,
-                "seconds": time.perf_counter() - started,
-                "cpu_seconds": time.process_time() - cpu,
-                "peak_bytes": peak_bytes(),
-                "read_bytes": now["read"] - io["read"],
-                "written_bytes": now["written"] - io["written"],
-                **figures,
-            }
-        )
+        runs.append(_run_once(stage, work))
     return sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
 
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from retool.config.settings import StageSettings
 from retool.evaluation.metrics import record_stage_seconds
 from retool.files.layout import RoundPaths
-from retool.files.tables import DATUMS, TRAJECTORIES, parquet_seconds, read_table, write_tables_atomically
-from retool.rollout.datums import datums_to_tables, step_datums
+from retool.files.tables import DATUMS, TRAJECTORIES, parquet_seconds, read_table
+from retool.rollout.datums import step_datums, write_datums
 from retool.rollout.replay import replay_files, shard_of
 from retool.rollout.stage_tables import describe_datums, trained_datums
 from retool.run.shared import protocol_for
@@ -36,7 +36,7 @@ def shard_datums(
     in_shard = shard_of(scored.column("question_index").to_numpy(), settings.rollout.shards) == shard
     replayed = replay_files(prompts, rounds, protocol_for(settings.model), settings.rollout, shard)
     datums = trained_datums(replayed, scored.filter(in_shard), settings.rollout.trainer_max_tokens)
-    table = write_tables_atomically(datums_to_tables(datums, step, stage.sampled_by), DATUMS, out)
+    table = write_datums(datums, step, stage.sampled_by, out)
     return describe_datums(table)
 
 
@@ -45,7 +45,7 @@ def build_datums(shards: Sequence[Path], out: Path, stage: StageSettings, step: 
     Arrow's `take` on list columns costs seconds a step). Its wall time goes in the step's `timings`."""
     started, parquet = time.perf_counter(), parquet_seconds()
     datums = step_datums([read_table(path, DATUMS) for path in shards])
-    table = write_tables_atomically(datums_to_tables(datums, step, stage.sampled_by), DATUMS, out)
+    table = write_datums(datums, step, stage.sampled_by, out)
     spent = (time.perf_counter() - started, parquet_seconds() - parquet)
     record_stage_seconds(timings, "BuildDatums", "BuildDatums", *spent, {})
     return describe_datums(table)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy
 import pyarrow as pa
 
-from retool.files.tables import DATUMS, list_column, row_views
+from retool.files.tables import DATUMS, list_column, row_views, write_tables_atomically
 
 if TYPE_CHECKING:  # the trainer reads datums without the rollout's dependencies
     from retool.rollout.state import Trajectory
@@ -138,6 +139,11 @@ def datums_to_tables(datums: Sequence[Datum], step: int, policy_step: int) -> It
         tokens += datum.num_tokens
     if start < len(datums) or not datums:
         yield datums_to_table(datums[start:], step, policy_step)
+
+
+def write_datums(datums: Sequence[Datum], step: int, policy_step: int, path: str | Path) -> pa.Table:
+    """Writes datums.parquet a part at a time (`datums_to_tables`, a row group each); returns its table."""
+    return write_tables_atomically(datums_to_tables(datums, step, policy_step), DATUMS, path)
 
 
 def datums_from_table(table: pa.Table) -> list[Datum]:
