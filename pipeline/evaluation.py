@@ -90,6 +90,11 @@ class BeforeAfter(EvaluationTask):
         )
         return [(label, self.clone(Evaluate, step=step, sft=sft)) for label, step, sft in policies]
 
+    @property
+    def priority(self) -> int:
+        """Below every evaluation it gathers, which would otherwise inherit its priority (see RunTask.priority)."""
+        return -(2**62)
+
     def complete(self):
         """The table, with a row of every policy asked for (a table made without --base lacks the base model's)."""
         if not super().complete():

@@ -71,9 +71,16 @@ class RunTask(luigi.Task):
     def priority(self) -> int:
         """Luigi runs higher priorities first, and a task's inputs inherit its priority: shard s's rounds
         before shard s+1's, the rest after them. One worker then finishes a shard's round chain while its
-        prompts are still in the sampler's prefix cache, rather than sampling every shard's round r first."""
+        prompts are still in the sampler's prefix cache, rather than sampling every shard's round r first.
+        An evaluation's tasks come after every training task's, the newest checkpoint's first, so that the sampler
+        takes each checkpoint once rather than at every switch between them (a CPU engine starts anew each time)."""
         shard = getattr(self, "shard", None)
-        return -shard if shard is not None else -(2**16)
+        within = -shard if shard is not None else -(2**16)
+        if self.evaluation is None:
+            return within
+        # A band per checkpoint below every training task's: RL step N's is N + 2, the cold start's 1, the base's 0.
+        band = self.step + 2 if self.step >= 0 else int(self.evaluation.sft)
+        return within - 2**20 * (2**20 - band)
 
     def complete(self) -> bool:
         """Complete only when the output exists and so does every input's of the same step and namespace, however

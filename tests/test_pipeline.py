@@ -406,6 +406,32 @@ def test_one_worker_runs_a_shard_s_rounds_before_the_next_shard_s(configure, mon
     assert shards == sorted(shards) and len(shards) == 3 * 2 * settings.rollout.max_assistant_turns
 
 
+def test_one_worker_evaluates_one_checkpoint_after_the_other(configure, monkeypatch):
+    """Every shard of the newest checkpoint's evaluation, then every shard of the one before, each in shard order:
+    the sampler takes each checkpoint once (a CPU engine starts anew at each switch)."""
+    from pipeline import BeforeAfter
+
+    configure("eval-order", trainer=TRAIN, rollout={"eval_shard_sequences": 2})
+    monkeypatch.setattr(retool.sampling.engines, "sampler_for", lambda settings, *_: tool_policy(settings))
+    started = []
+    handler = pipeline.tasks.RunTask.event_handler(luigi.Event.START)(
+        lambda task: (
+            started.append((task.evaluation, task.step, task.shard)) if task.task_family == "SampleRound" else None
+        )
+    )
+    try:
+        assert luigi.build([BeforeAfter(step=0, n=1, limit=4)], local_scheduler=True, workers=1, log_level="WARNING")
+    finally:
+        pipeline.tasks.RunTask._event_callbacks[pipeline.tasks.RunTask][luigi.Event.START].discard(handler)
+    evaluated = [(step, shard) for evaluation, step, shard in started if evaluation is not None]
+    assert started[: len(started) - len(evaluated)] == [(None, 0, 0)] * (len(started) - len(evaluated)), started
+    checkpoints = [step for step, _ in evaluated]
+    assert checkpoints == sorted(checkpoints, reverse=True) and set(checkpoints) == {0, -1}, started
+    for checkpoint in (0, -1):
+        shards = [shard for step, shard in evaluated if step == checkpoint]
+        assert shards == sorted(shards) and len(set(shards)) == 2, started
+
+
 def test_an_evaluation_is_split_into_shards_its_sampler_can_cache():
     from retool.config.rollout import RolloutConfig
     from retool.evaluation.spec import evaluation_shards
