@@ -92,9 +92,13 @@ def test_a_micro_batch_out_of_memory_is_retried_smaller_to_the_same_update(
     moved = max(float((expected_weights[n] - start[n]).abs().max()) for n in weights)
     print(f"max |weight difference| against the uninterrupted step: {difference:.3e} (the step moved {moved:.1e})")
     assert moved > 1e-3  # lr 5e-3: the tolerance below is far under one update
+    # Smaller micro-batches sum the same gradient in another order, and Adam's normalised step magnifies that rounding
+    # where a gradient is near zero (1.8e-5 on one of 16384 weights on an AMD EPYC); a datum dropped or counted twice
+    # moves half the weights by more than 1e-4 (8.6e-3 and 2.0e-2 at most).
     for name in weights:
-        torch.testing.assert_close(weights[name], expected_weights[name], rtol=1e-5, atol=1e-5)
-    assert metrics.updates == expected.updates and metrics.loss == pytest.approx(expected.loss, rel=1e-5)
+        torch.testing.assert_close(weights[name], expected_weights[name], rtol=1e-5, atol=1e-4)
+    # The loss nearly cancels over advantages of both signs (3.5e-3 here): its rounding is judged absolutely.
+    assert metrics.updates == expected.updates and metrics.loss == pytest.approx(expected.loss, rel=1e-5, abs=1e-6)
     assert metrics.kl_k3 == pytest.approx(expected.kl_k3, rel=1e-3, abs=1e-8)  # the passes line up token by token
     assert metrics.micro_batches > expected.micro_batches  # as the step ended: smaller
 
