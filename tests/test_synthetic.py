@@ -12,7 +12,14 @@ from retool.config.sandbox import SandboxConfig
 from retool.data.conversations import read_conversations
 from retool.data.examples import read_examples
 from retool.data.families import FAMILIES, ROLES, families_of
-from retool.data.synthetic import evaluation_questions, family_of, generate, generate_problems, training_questions
+from retool.data.synthetic import (
+    evaluation_questions,
+    family_of,
+    generate,
+    generate_problems,
+    more_rl_questions,
+    training_questions,
+)
 from retool.sandbox.call import Sandbox
 from tests.helpers import REPO
 
@@ -73,6 +80,17 @@ def test_the_shipped_files_are_what_the_generator_writes():
     ]
     trained = frozenset({c.question for c in read_conversations(SFT)} | {e.question for e in read_examples(TRAIN)})
     assert read_examples(EVAL) == evaluation_questions(7, 25, 24, trained)
+
+
+def test_more_rl_questions_leave_the_evaluation_set_as_it_was_and_avoid_it():
+    first = training_questions(64)
+    trained = frozenset(e.question for e in first)
+    evaluation = evaluation_questions(2, 3, 2, trained)
+    more = more_rl_questions(200, 64, trained | {e.question for e in evaluation})
+    assert evaluation_questions(2, 3, 2, trained | {e.question for e in more}) == evaluation
+    assert not {e.question for e in more} & (trained | {e.question for e in evaluation})
+    assert {family_of(e.data_source) for e in more} <= set(families_of("rl"))
+    assert [e.id for e in more[:2]] == ["train-00064", "train-00065"] and len({e.question for e in more}) == 200
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
   synthetic_sft.jsonl    worked solutions of the `sft` families (the cold start), whose code and output
                          come from the project's sandbox; a share first make a mistake and correct it
-  synthetic_train.jsonl  RL questions: the `rl` families and new problems of the `sft` families
+  synthetic_train.jsonl  RL questions: the `rl` families and new problems of the `sft` families in turn (and with
+                         `--more-rl N`, N more of the `rl` families, none of them an evaluation question)
   synthetic_eval.jsonl   held-out questions, never trained on: new problems of the `sft` and `rl` families
                          and problems of the `held-out` families, which no training file has
 
@@ -22,7 +23,7 @@ from retool.data.families import FAMILIES, families_of
 from retool.data.problems import Problem
 
 SOURCE_PREFIX = "synthetic/"  # data_source of a synthetic problem: synthetic/<family>
-SFT_SEED, TRAIN_SEED, EVAL_SEED, MISTAKE_SEED = 1, 2, 3, 4  # one random stream per file, so files never share a draw
+SFT_SEED, TRAIN_SEED, EVAL_SEED, MISTAKE_SEED, MORE_RL_SEED = 1, 2, 3, 4, 5  # one random stream per draw
 
 
 def data_source(family: str) -> str:
@@ -60,10 +61,10 @@ def generate_problems(
     return problems
 
 
-def examples_of(problems: Sequence[tuple[str, Problem]], prefix: str) -> list[MathExample]:
+def examples_of(problems: Sequence[tuple[str, Problem]], prefix: str, first: int = 0) -> list[MathExample]:
     return [
         MathExample(f"{prefix}-{index:05d}", problem.question, problem.answer, data_source(family))
-        for index, (family, problem) in enumerate(problems)
+        for index, (family, problem) in enumerate(problems, first)
     ]
 
 
@@ -73,8 +74,15 @@ def generate(count: int, seed: int, prefix: str, families: Sequence[str] | None 
 
 
 def training_questions(count: int) -> list[MathExample]:
-    """The RL training set: the rl families and the sft families, in turn."""
+    """The RL training set's first part: the rl families and the sft families, in turn."""
     return examples_of(generate_problems(count, TRAIN_SEED, families_of("rl") + families_of("sft")), "train")
+
+
+def more_rl_questions(count: int, first: int, drawn: frozenset[str]) -> list[MathExample]:
+    """`count` more questions of the rl families, none in `drawn` (every other file's questions, the evaluation
+    set's too), numbered from `first`; a family out of new questions leaves the others to make up the count.
+    Drawn after the evaluation set, so that set is the same with them or without."""
+    return examples_of(generate_problems(count, MORE_RL_SEED, families_of("rl"), drawn, True), "train", first)
 
 
 def evaluation_questions(
