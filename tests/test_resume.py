@@ -3,8 +3,10 @@ newest full save from their datums, to the same bits as a run that never stopped
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, replace
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -12,10 +14,12 @@ from safetensors.torch import load_file
 import retool.training.resume
 from retool.config.trainer import TrainerConfig, saves_in_full
 from retool.files.tables import DATUMS, table_from_rows, write_table_atomically
+from retool.rollout.datums import datums_from_table
 from retool.training import resident
 from retool.training.resume import ResumeError, StepInputs, train_from_files
+from retool.training.step import load_model
 from retool.weights.checkpoint import Checkpoint
-from tests.test_trainer import CONFIG, make_datum
+from tests.test_trainer import CONFIG, datum_logprobs, make_datum
 
 STEPS = 7
 
@@ -87,9 +91,10 @@ def assert_bit_equal(a, b):
 
 
 CONFIGS = [CONFIG, replace(CONFIG, lora_rank=0, learning_rate=1e-4)]
+WITH_KL = replace(CONFIGS[1], kl_coef=0.5)  # each step (and each replay) takes the RL base's logprobs in a pass
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["lora", "full"])
+@pytest.mark.parametrize("config", [*CONFIGS, WITH_KL], ids=["lora", "full", "full-kl"])
 def test_a_resume_after_a_kill_replays_from_the_last_full_save_to_the_same_bits(tiny_model_dir, tmp_path, config):
     """save_every = 4: step 3 saves in full; killed after step 4, the command again replays step 4 to train step 5."""
     config = replace(config, save_every=4)
@@ -186,3 +191,22 @@ def test_a_training_group_holds_the_state_between_steps_and_trains_as_one_proces
     assert weights.keys() == one_weights.keys() and adam["state"].keys() == one_adam["state"].keys()
     for name in weights:
         torch.testing.assert_close(weights[name], one_weights[name], rtol=0, atol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("config", [replace(CONFIG, kl_coef=0.5), WITH_KL], ids=["lora", "full"])
+def test_the_kl_penalty_refers_to_the_base_model(tiny_model_dir, tmp_path, config):
+    """[trainer] kl_coef: a step's KL to the RL base is that of the policy it starts from to the base model, measured
+    apart (0 at the first step), and the policy's own weights are back for the update."""
+    train(tmp_path, tiny_model_dir, config, range(2), 1, resident_trainer=False)
+    train(tmp_path / "none", tiny_model_dir, replace(config, kl_coef=0.0), range(2), 1, resident_trainer=False)
+    recorded = [json.loads((tmp_path / f"step={s:04d}" / "checkpoint" / "metrics.json").read_text()) for s in (0, 1)]
+    without = json.loads((tmp_path / "none" / "step=0001" / "checkpoint" / "metrics.json").read_text())
+    assert recorded[1]["entropy"] == without["entropy"]  # the same policy before the update: the penalty's gradient
+    # is 0 where the policy is the base, and the reference pass put the policy's weights back
+    assert recorded[0]["kl_reference"] == 0.0
+    datums = datums_from_table(pq.read_table(tmp_path / "step=0001" / "datums.parquet"))
+    base, policy = (load_model(tiny_model_dir, p, config) for p in (None, tmp_path / "step=0000" / "checkpoint"))
+    logprobs = [torch.cat([datum_logprobs(m, d)[torch.tensor(d.loss_mask)] for d in datums]) for m in (base, policy)]
+    log_ratio = logprobs[0] - logprobs[1]
+    assert recorded[1]["kl_reference"] == pytest.approx(float((log_ratio.exp() - 1 - log_ratio).mean()), rel=1e-3)
+    assert recorded[1]["kl_reference"] > 1e-6

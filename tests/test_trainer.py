@@ -157,6 +157,29 @@ def test_entropy_and_kl_of_a_step_match_a_direct_computation(tiny_model_dir, min
     assert metrics.logprob_gap < 1e-5  # the datums' old logprobs are the policy's own
 
 
+@pytest.mark.parametrize("shift", [-1.0, 1.0])
+def test_the_kl_penalty_alone_moves_each_sampled_token_toward_the_reference(tiny_model_dir, shift):
+    """With zero advantages only [trainer] kl_coef's penalty acts: a reference that finds the sampled tokens less
+    (more) likely than the policy does lowers (raises) them, and the step records the KL it started from."""
+    config = replace(CONFIG, kl_coef=1.0)
+    model, optimizer = load_policy(tiny_model_dir, None, config)
+    datums = [
+        replace(
+            d,
+            advantages=[0.0] * d.num_tokens,
+            reference_logprobs=[lp + shift if m else 0.0 for lp, m in zip(d.old_logprobs, d.loss_mask)],
+        )
+        for d in on_policy_datums(model)
+    ]
+    before = [sequence_logprob(model, d) for d in datums]
+    metrics = update_policy(model, optimizer, datums, config, num_trajectories=2)
+    after = [sequence_logprob(model, d) for d in datums]
+    assert all((a - b) * shift > 0.01 for a, b in zip(after, before))
+    k3 = torch.tensor(shift).exp() - 1 - shift  # every token: log reference / policy = shift
+    assert metrics.kl_reference == pytest.approx(float(k3), rel=1e-4)
+    assert metrics.loss == pytest.approx(float(k3), rel=1e-4)  # token_mean of the penalty alone
+
+
 def test_later_mini_batches_are_off_policy_and_the_clip_bounds_them(tiny_model_dir):
     config = replace(CONFIG, learning_rate=3e-2, ppo_mini_batches=2, ppo_epochs=2)
     model, optimizer = load_policy(tiny_model_dir, None, config)
@@ -206,12 +229,21 @@ def test_retention_keeps_the_newest_and_every_nth(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data_parallel", ["ddp", "fsdp"])
-@pytest.mark.parametrize("lora_rank", [CONFIG.lora_rank, 0], ids=["lora", "full"])
-def test_two_processes_give_the_same_parameters_as_one(tiny_model_dir, tmp_path, lora_rank, data_parallel):
+@pytest.mark.parametrize(
+    "data_parallel, lora_rank, kl_coef",
+    [
+        ("ddp", CONFIG.lora_rank, 0.0),
+        ("fsdp", CONFIG.lora_rank, 0.0),
+        ("ddp", 0, 0.0),
+        ("fsdp", 0, 0.0),
+        ("fsdp", 0, 5.0),
+    ],
+    ids=["ddp-lora", "fsdp-lora", "ddp-full", "fsdp-full", "fsdp-full-kl"],
+)
+def test_two_processes_give_the_same_parameters_as_one(tiny_model_dir, tmp_path, lora_rank, data_parallel, kl_coef):
     """Under torchrun, DDP or FSDP2 sums the two processes' gradients: two steps, the second from the first's
     checkpoint (FSDP2: its weights and Adam state gathered to be saved, and sharded again as they load), equal
-    one process's."""
+    one process's; with a KL penalty, each process's share of the base's logprobs joined into every datum's."""
     model, _ = load_policy(tiny_model_dir, None, CONFIG)
     datums = on_policy_datums(model) + [
         make_datum(1, g, list(range(100, 140)), list(range(700 + g, 710 + g)), 0.5 - g, [-3.0] * 10) for g in range(3)
@@ -219,7 +251,7 @@ def test_two_processes_give_the_same_parameters_as_one(tiny_model_dir, tmp_path,
     rows = [{"step": 0, **{k: v for k, v in asdict(d).items()}, "num_tokens": d.num_tokens} for d in datums]
     write_table_atomically(table_from_rows(rows, DATUMS), tmp_path / "datums.parquet")
     assert len(datums) % 2  # one datum per micro-batch: one process has one fewer and repeats one at zero weight
-    config = replace(CONFIG, micro_batch_items=1, lora_rank=lora_rank, data_parallel=data_parallel)
+    config = replace(CONFIG, micro_batch_items=1, lora_rank=lora_rank, data_parallel=data_parallel, kl_coef=kl_coef)
     worker = ["-m", "retool.training.worker", "--inputs"]
     torchrun = ["-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517"]
     for name, command in (("one", worker), ("two", [*torchrun, *worker])):
@@ -238,10 +270,10 @@ def test_two_processes_give_the_same_parameters_as_one(tiny_model_dir, tmp_path,
     # misplaced on the way would move weights by about the learning rate (5e-3) in the second step.
     for name in one:
         torch.testing.assert_close(one[name], two[name], rtol=0, atol=1e-4, msg=name)
-    assert (
-        json.loads((tmp_path / "two1" / "metrics.json").read_text())["loss_tokens"]
-        == json.loads((tmp_path / "one1" / "metrics.json").read_text())["loss_tokens"]
-    )
+    one_metrics, two_metrics = (json.loads((tmp_path / f"{n}1" / "metrics.json").read_text()) for n in ("one", "two"))
+    assert two_metrics["loss_tokens"] == one_metrics["loss_tokens"]
+    assert two_metrics["kl_reference"] == pytest.approx(one_metrics["kl_reference"], rel=1e-3)
+    assert (one_metrics["kl_reference"] > 1e-6) == bool(kl_coef)
     assert len(datums_from_table(pq_read(tmp_path / "datums.parquet"))) == len(datums)
 
 

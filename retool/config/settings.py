@@ -137,6 +137,7 @@ class RunSettings:
             learning_rate=self.cold_start.learning_rate,
             loss_aggregation="token_mean",
             correction="none",
+            kl_coef=0.0,  # the cold start makes the policy RL's penalty refers to
             temperature=1.0,
         )
         return self.on_device(sft)

@@ -42,6 +42,9 @@ class TrainerConfig:
     correction_cap: float = 2.0  # the importance weight's upper bound (tis), the band's top (mis)
     correction_floor: float = 0.5  # mis: tokens whose importance weight falls below are dropped
     filter_zero_variance_groups: bool = False  # sample_mean over datums only, not all trajectories
+    # A penalty on each loss token, kl_coef x the k3 estimate of KL(policy || RL base), the policy RL starts from (the
+    # cold start): it pulls the policy back where it drifts from that base; 0 = none (no reference pass is taken)
+    kl_coef: float = 0.0
     # The weights' dtype: auto (float32 for a full fine-tune, bfloat16 for a LoRA's frozen base on CUDA) | float32
     # | bfloat16 (a full fine-tune in pure bfloat16 loses updates smaller than half a unit in the last place)
     dtype: str = "auto"
@@ -69,6 +72,7 @@ class TrainerConfig:
         require(self, "max_grad_norm", self.max_grad_norm > 0, "> 0")
         require(self, "clip_low", 0 < self.clip_low < 1, "in (0, 1)")
         require(self, "clip_high", self.clip_high > 0, "> 0")
+        require(self, "kl_coef", self.kl_coef >= 0, ">= 0 (0: no penalty)")
         require(self, "objective", self.objective in OBJECTIVES, f"one of {', '.join(OBJECTIVES)}")
         aggregations = ", ".join(LOSS_AGGREGATIONS)
         require(self, "loss_aggregation", self.loss_aggregation in LOSS_AGGREGATIONS, f"one of {aggregations}")

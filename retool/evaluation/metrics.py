@@ -146,7 +146,9 @@ def describe_step(metrics: dict) -> str:
         f"{metrics['zero_variance_group_rate']:.2f}), stops: {stops or 'none'}\n"
         f"  update: {metrics['train_updates']} optimizer steps on {metrics['train_datums']} datums, loss "
         f"{metrics['train_loss']:+.4f}, entropy {metrics['train_entropy']:.3f}, KL(before||after) k1 "
-        f"{metrics['train_kl_k1']:.2e} k3 {metrics['train_kl_k3']:.2e}, clipped {metrics['train_clip_fraction']:.3f}, "
+        f"{metrics['train_kl_k1']:.2e} k3 {metrics['train_kl_k3']:.2e}"
+        + (f", KL to the RL base {kl:.2e}" if (kl := metrics.get("train_kl_reference")) else "")
+        + f", clipped {metrics['train_clip_fraction']:.3f}, "
         f"ratio outside the clip range after {metrics['train_ratio_outside_clip']:.3f}, staleness "
         f"{metrics['staleness']:.0f}, importance weight {metrics['train_importance_weight']:.3f} "
         f"({metrics['train_importance_limited']:.3f} limited)"

@@ -70,6 +70,9 @@ class Datum:
     old_logprobs: Sequence[float]  # sampler logprob of each target on sampled tokens, 0 elsewhere
     advantages: Sequence[float]  # the trajectory's advantage on sampled targets, 0 elsewhere
     loss_mask: Sequence[bool]  # True on targets the model sampled: the only tokens the loss sees
+    # The RL base policy's logprob of each target on loss tokens, 0 elsewhere: the trainer's own pass with [trainer]
+    # kl_coef > 0 (never in datums.parquet); None without
+    reference_logprobs: Sequence[float] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -112,14 +112,26 @@ def ppo_token_loss(
     return loss, clipped
 
 
+def kl_to_reference(logprobs: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(policy || reference) on tokens the policy sampled: r - 1 - log r, r = reference /
+    policy. Never negative, unbiased, and its gradient, 1 - r, pulls each token's logprob toward the reference's."""
+    log_ratio = reference - logprobs
+    return torch.exp(log_ratio) - 1 - log_ratio
+
+
 def token_loss(
     logprobs: torch.Tensor,
     behaviour: torch.Tensor,
     advantages: torch.Tensor,
     config: TrainerConfig,
     proximal: torch.Tensor | None = None,
+    reference: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss of the configured objective, and where PPO clipping was active."""
+    """Per-token loss of the configured objective, and where PPO clipping was active; with `reference` (the RL base
+    policy's logprobs) and [trainer] kl_coef, plus kl_coef x KL to it, outside the clip."""
     if config.objective == "sft":
         return -logprobs, torch.zeros_like(logprobs, dtype=torch.bool)
-    return ppo_token_loss(logprobs, behaviour, advantages, config, proximal)
+    loss, clipped = ppo_token_loss(logprobs, behaviour, advantages, config, proximal)
+    if config.kl_coef and reference is not None:
+        loss = loss + config.kl_coef * kl_to_reference(logprobs, reference)
+    return loss, clipped

@@ -111,6 +111,15 @@ def summed_over_processes(sums: dict[str, float], device: str) -> dict[str, floa
     return dict(zip(sums, values.tolist()))
 
 
+def joined_over_processes(parts: dict) -> dict:
+    """Each process's part of a mapping, joined into the whole in every process."""
+    if rank_and_world()[1] == 1:
+        return parts
+    gathered = [None] * rank_and_world()[1]
+    dist.all_gather_object(gathered, parts)
+    return {key: value for part in gathered for key, value in part.items()}
+
+
 def as_number(norm: torch.Tensor) -> float:
     """A gradient norm that FSDP2 returns sharded, whole."""
     return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)

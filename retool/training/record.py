@@ -33,6 +33,8 @@ class StepMetrics:
     # (1 without one), and the share of tokens whose weight it truncated (tis) or dropped (mis)
     importance_weight: float = 1.0
     importance_limited: float = 0.0
+    # k3 estimate of KL(policy before the update || RL base) on the loss tokens ([trainer] kl_coef > 0; 0 without)
+    kl_reference: float = 0.0
     # Passes retried in smaller micro-batches after running out of memory (at most 1: a second time fails the step)
     oom_retries: int = 0
 

@@ -90,7 +90,7 @@ def train_from_files(inputs: StepInputs, device: str = "cpu", hold_on: str = "")
     check_memory(base_model, config, device, parallel.rank_and_world()[1])
     model, trained, optimizer = starting_state(inputs, device)
     try:
-        datums = read_datums(inputs.datums)
+        datums = with_reference(model, trained, read_datums(inputs.datums), inputs, device)
         # Samples of an older policy are checked against it (their gap to this one is the policy's own change): one
         # pass under its weights, taken for the check only; without the check a stale step's gap is not measured.
         gap = None
@@ -178,7 +178,7 @@ def starting_state(inputs: StepInputs, device: str):
     optimizer = optimizer_for(model, start, config, device)  # over the weights as this process holds them
     for step in replays:
         # The same update as the first time (the settings it ran with), without the checks it passed then.
-        datums = read_datums(step.datums)
+        datums = with_reference(model, trained, read_datums(step.datums), step, device)
         update_policy(trained, optimizer, datums, step.config, step.num_trajectories, device, step.zero_variance_groups)
     return model, trained, optimizer
 
@@ -247,23 +247,44 @@ def check_policy_sync(metrics: StepMetrics, config: TrainerConfig, policy: Path)
 
 def gap_to_behaviour(model, trained, datums: list[Datum], inputs: StepInputs, device: str) -> float:
     """The sampler gap of a step sampled by an older policy than the one it trains from ([rollout] max_staleness):
-    mean |sampler − trainer| logprob under that policy, `inputs.behaviour`. Its weights go into the model for one
-    no-grad pass and this process's own are put back bit for bit, so the memory it needs is on the host (a second
-    model there), not on the device; `trained`: the model's data-parallel wrapper."""
+    mean |sampler − trainer| logprob under that policy, `inputs.behaviour`."""
+    behaviour = None if inputs.behaviour.resolve() == inputs.base_model.resolve() else inputs.behaviour  # None: base
+    _, seen = pass_under(model, trained, behaviour, datums, inputs, device)
+    sums = parallel.summed_over_processes(drift_sums(seen, None, inputs.config), device)
+    return sums["gap"] / max(sums["tokens"], 1.0)
+
+
+def with_reference(model, trained, datums: list[Datum], inputs: StepInputs, device: str) -> list[Datum]:
+    """The datums, each with the RL base policy's logprobs of its targets ([trainer] kl_coef > 0), from one pass
+    under the base's weights; every process gets every datum's, whichever micro-batches it took."""
+    if not inputs.config.kl_coef or inputs.config.objective != "ppo" or not datums:
+        return datums
+    batches, seen = pass_under(model, trained, None, datums, inputs, device)
+    shared = parallel.share_of_micro_batches(batches)
+    rows = {
+        i: row[: datums[i].num_tokens].float().cpu().numpy()  # 0 off the loss tokens, as a pass leaves it
+        for (batch, counted, _), padded in zip(shared, seen.padded, strict=True)
+        if counted
+        for i, row in zip(batch.indices, padded, strict=True)
+    }
+    rows = parallel.joined_over_processes(rows)
+    return [replace(datum, reference_logprobs=rows[i]) for i, datum in enumerate(datums)]
+
+
+def pass_under(model, trained, weights: Path | None, datums: list[Datum], inputs: StepInputs, device: str):
+    """The micro-batches and one no-grad pass over them under other weights: a checkpoint, or None, the base model.
+    They go into the model for that pass and this process's own are put back bit for bit, so the memory it needs is
+    on the host (a second model there), not on the device; `trained`: the model's data-parallel wrapper."""
     config, base_model = inputs.config, inputs.base_model
-    behaviour = None if inputs.behaviour.resolve() == base_model.resolve() else inputs.behaviour  # None: the base
     own = get_model_state_dict(model, options=StateDictOptions(cpu_offload=True))
     if next(model.parameters()).device.type == "cpu":  # offloading copied nothing: the values are the weights
         own = {name: value.clone() for name, value in own.items()}
     with torch.random.fork_rng(devices=[]):  # a new LoRA adapter draws its A matrices: leave the step's random state
-        older = load_model(base_model, behaviour, config, "cpu")
-    set_model_state_dict(model, older.state_dict(), options=StateDictOptions(full_state_dict=True))
-    del older
+        other = load_model(base_model, weights, config, "cpu")
+    set_model_state_dict(model, other.state_dict(), options=StateDictOptions(full_state_dict=True))
+    del other
     try:
         whole = pack_micro_batches([d.num_tokens for d in datums], config.micro_batch_items, config.micro_batch_tokens)
-        sums = parallel.summed_over_processes(
-            drift_sums(policy_pass(trained, datums, whole, config, device), None, config), device
-        )
+        return whole, policy_pass(trained, datums, whole, config, device)
     finally:
         set_model_state_dict(model, own, options=StateDictOptions())
-    return sums["gap"] / max(sums["tokens"], 1.0)

@@ -25,7 +25,7 @@ from retool.config.trainer import TrainerConfig
 from retool.rollout.datums import Datum
 from retool.training import parallel
 from retool.training.checkpoints import restore_rng
-from retool.training.losses import importance_weights, limited_by_correction, token_loss
+from retool.training.losses import importance_weights, kl_to_reference, limited_by_correction, token_loss
 from retool.training.out_of_memory import MicroBatchPlan, out_of_memory_in, repacked
 from retool.training.packing import MicroBatch, loss_token_weights, pack_micro_batches
 from retool.training.record import StepMetrics
@@ -111,7 +111,10 @@ def _micro_batch_tensors(
         return torch.from_numpy(array).to(device)
 
     masks = [numpy.asarray(d.loss_mask, dtype=bool) for d in rows]
+    references = [d.reference_logprobs for d in rows]
+    reference = {} if any(r is None for r in references) else {"reference": padded(references, 0.0, numpy.float32)}
     return {
+        **reference,
         "input_ids": padded([d.input_tokens for d in rows], 0, numpy.int64),
         "attention_mask": padded([numpy.ones(d.num_tokens) for d in rows], 0, numpy.int64),
         "targets": padded([d.target_tokens for d in rows], 0, numpy.int64),
@@ -129,6 +132,7 @@ class PolicyPass:
     logprobs: list[torch.Tensor]  # the policy's logprob of each loss token (detached)
     entropies: list[torch.Tensor]  # the entropy of its next-token distribution there
     sampler_logprobs: list[torch.Tensor]  # the sampler's logprob of the same tokens
+    reference_logprobs: list[torch.Tensor] = field(default_factory=list)  # the RL base's there ([trainer] kl_coef)
     padded: list[torch.Tensor] = field(default_factory=list)  # each micro-batch's logprobs as its rows (detached)
     loss: float = 0.0  # weighted loss summed over the pass (gradient passes only)
     clipped: int = 0  # loss tokens where the PPO clip was active (gradient passes only)
@@ -170,7 +174,9 @@ def policy_pass(
             seen.padded.append(logprobs.detach())
             if weights is not None:
                 before = proximal[position] if proximal is not None else None
-                loss, clipped = token_loss(logprobs, tensors["old_logprobs"], tensors["advantages"], config, before)
+                loss, clipped = token_loss(
+                    logprobs, tensors["old_logprobs"], tensors["advantages"], config, before, tensors.get("reference")
+                )
                 # DDP and FSDP2 average over the processes; the weights already make the sum the mini-batch's gradient.
                 (loss * tensors["weights"]).sum().mul(parallel.rank_and_world()[1]).backward()
                 seen.loss += float((loss.detach() * tensors["weights"]).sum())
@@ -180,6 +186,8 @@ def policy_pass(
         seen.logprobs.append(logprobs.detach()[mask])
         seen.entropies.append(entropy[mask])
         seen.sampler_logprobs.append(tensors["old_logprobs"][mask])
+        if "reference" in tensors:
+            seen.reference_logprobs.append(tensors["reference"][mask])
     return seen
 
 
@@ -216,6 +224,9 @@ def drift_sums(before: PolicyPass, after: PolicyPass | None, config: TrainerConf
         if config.objective == "ppo"
         else 0.0,
         "importance_limited": float(limited_by_correction(old, sampler, config).sum()),
+        "kl_reference": float(kl_to_reference(old, torch.cat(before.reference_logprobs)).sum())
+        if before.reference_logprobs
+        else 0.0,
     }
     if after is not None and after.logprobs:
         log_ratio = torch.cat(after.logprobs) - old  # log pi_after / pi_before
@@ -348,6 +359,7 @@ def _step_metrics(
         ratio_outside_clip=sums["outside_clip"] / tokens,
         importance_weight=sums["importance_weight"] / tokens if sums["tokens"] else 1.0,
         importance_limited=sums["importance_limited"] / tokens,
+        kl_reference=sums["kl_reference"] / tokens,
         seconds=seconds,
         tokens_per_second=real_tokens / seconds if seconds > 0 else 0.0,
         skipped=not datums,
