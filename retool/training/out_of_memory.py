@@ -23,7 +23,7 @@ from retool.training.memory_plan import (
     shape_of,
     smaller_micro_batches,
 )
-from retool.training.packing import MicroBatch
+from retool.training.packing import MicroBatch, rows_by_datum
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def repacked(proximal, batches: list[MicroBatch], datums: list[Datum]) -> list[t
     if proximal is None or proximal[0] == batches:
         return None if proximal is None else proximal[1]
     taken, padded = proximal
-    rows = {i: row[: datums[i].num_tokens] for batch, t in zip(taken, padded) for i, row in zip(batch.indices, t)}
+    rows = rows_by_datum(taken, padded, [d.num_tokens for d in datums])
     repacked = []
     for batch in batches:
         tensor = padded[0].new_zeros(len(batch.indices), batch.width)  # padding: 0, as a pass leaves it

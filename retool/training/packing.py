@@ -19,6 +19,11 @@ class MicroBatch:
         return self.width * len(self.indices)
 
 
+def rows_by_datum(batches: Sequence[MicroBatch], padded: Sequence, lengths: Sequence[int]) -> dict:
+    """Each datum's row of a pass's padded per-token values (one tensor per micro-batch), cut to its length."""
+    return {i: row[: lengths[i]] for batch, rows in zip(batches, padded) for i, row in zip(batch.indices, rows)}
+
+
 def pack_micro_batches(lengths: Sequence[int], max_items: int, max_padded_tokens: int) -> list[MicroBatch]:
     """First-fit decreasing: longest first, each into the first batch where it still fits both
     bounds (rows padded to the batch's longest). A datum longer than the token bound gets its own.

@@ -29,7 +29,7 @@ from retool.training import parallel, resident
 from retool.training.checkpoints import save_checkpoint
 from retool.training.memory_plan import check_memory
 from retool.training.out_of_memory import release_memory
-from retool.training.packing import pack_micro_batches
+from retool.training.packing import pack_micro_batches, rows_by_datum
 from retool.training.record import StepMetrics
 from retool.training.step import (
     drift_sums,
@@ -260,14 +260,10 @@ def with_reference(model, trained, datums: list[Datum], inputs: StepInputs, devi
     if not inputs.config.kl_coef or inputs.config.objective != "ppo" or not datums:
         return datums
     batches, seen = pass_under(model, trained, None, datums, inputs, device)
-    shared = parallel.share_of_micro_batches(batches)
-    rows = {
-        i: row[: datums[i].num_tokens].float().cpu().numpy()  # 0 off the loss tokens, as a pass leaves it
-        for (batch, counted, _), padded in zip(shared, seen.padded, strict=True)
-        if counted
-        for i, row in zip(batch.indices, padded, strict=True)
-    }
-    rows = parallel.joined_over_processes(rows)
+    mine = [batch for batch, _, _ in parallel.share_of_micro_batches(batches)]  # as the pass took them
+    rows = rows_by_datum(mine, seen.padded, [d.num_tokens for d in datums])
+    # 0 off the loss tokens, as a pass leaves them
+    rows = parallel.joined_over_processes({i: row.float().cpu().numpy() for i, row in rows.items()})
     return [replace(datum, reference_logprobs=rows[i]) for i, datum in enumerate(datums)]
 
 
