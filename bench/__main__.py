@@ -57,7 +57,9 @@ def main() -> None:
         help="an earlier learning run whose cold start to reuse, and its SFT scores where no "
         "[rollout], [sampler], [sandbox] or [model] setting changes",
     )
-    learning.add_argument("--against", type=Path, help="an earlier learning run to pair the final policy with")
+    learning.add_argument(
+        "--against", type=Path, help="an earlier learning run (<its --out>/learning) whose final policy to pair with"
+    )
     parser.add_argument("--out", type=Path, help="keep the benchmarks' run folders here (default: a temporary folder)")
     args = parser.parse_args()
     BENCHMARKS["learning"] = functools.partial(

@@ -20,6 +20,7 @@ from bench.benchmarks import REPO, default_run_settings, luigi_build
 
 LEARNING_STEPS = 10  # RL steps of the learning benchmark
 LEARNING_SAMPLES = 2  # evaluation samples per held-out question (all 332 of them)
+FINAL_EVALUATIONS = "checkpoint=step*"  # an evaluation folder's RL policies: checkpoint=step0009 and so on
 
 
 def parse_overrides(assignments: list[str]) -> dict[str, dict[str, str]]:
@@ -69,13 +70,17 @@ def bench_learning(
     sections = _typed(settings, parse_overrides(list(overrides)))
     sections["run"] = {**sections.get("run", {}), "runs_dir": str(workdir), "name": "learning"}
     settings = settings.changed(**sections)
+    if against is not None and not any(against.glob(f"eval/*/*/{FINAL_EVALUATIONS}/trajectories.parquet")):
+        raise SystemExit(
+            f"--against {against}: no evaluation of an RL step there (a learning run: <its --out>/learning)"
+        )
     if reuse is not None:
         evaluated_alike = not set(EVALUATION_SECTIONS) & parse_overrides(list(overrides)).keys()
         reuse_cold_start(reuse, settings.run_dir, evaluations=evaluated_alike)
     wall = luigi_build(settings, BeforeAfter, step=steps - 1, n=samples)
     task = BeforeAfter(step=steps - 1, n=samples)
     metrics = metrics_by_step(settings.run_dir)
-    if not overrides and reuse is None:
+    if not overrides and reuse is None and (steps, samples) == (LEARNING_STEPS, LEARNING_SAMPLES):  # the docs' run
         save(plot_learning_curve(metrics), REPO / "docs" / "learning-curve.png")
     rows = [
         ("config", f"configs/cpu.cfg {' '.join(overrides)}, {steps} RL steps, Evaluate n={samples} on {task.dataset}"),
@@ -101,7 +106,7 @@ def bench_learning(
     rows.append(("zero-variance groups, mean of the steps", f"{metrics['zero_variance_group_rate'].mean():.3f}"))
     if against is not None:
         final = Evaluate(step=steps - 1, n=samples).folder.path
-        rows += _paired_against(final, against / final.relative_to(settings.run_dir))
+        rows += _paired_against(final, final_evaluation(against, final.parent.relative_to(settings.run_dir)))
     return rows
 
 
@@ -145,6 +150,15 @@ def _stage_seconds(run: Path) -> list[tuple[str, str]]:
         key = f"{kind}: {entry['stage']}"
         totals[key] = totals.get(key, 0.0) + entry["seconds"]
     return [(f"seconds, {key}", f"{seconds:.0f}") for key, seconds in sorted(totals.items())]
+
+
+def final_evaluation(run: Path, evaluation: Path) -> Path:
+    """`run`'s final policy in the evaluation `evaluation` (a folder relative to a run folder): its newest RL step
+    evaluated there, whatever number of steps that run took."""
+    finished = sorted(path.parent for path in (run / evaluation).glob(f"{FINAL_EVALUATIONS}/trajectories.parquet"))
+    if not finished:
+        raise SystemExit(f"--against {run}: no RL step evaluated in {run / evaluation} (another evaluation set?)")
+    return finished[-1]
 
 
 def _paired_against(final: Path, other: Path) -> list[tuple[str, str]]:
