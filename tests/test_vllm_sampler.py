@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -55,10 +56,12 @@ def test_seeds_make_samples_reproducible(engine):
 
 def test_a_cpu_engine_asleep_frees_its_memory_and_samples_the_same_after(engine):
     first = engine.sample(requests(), SamplingSettings())
+    excepthook = sys.excepthook
     engine.sleep()  # before a training step in this process: the CPU engine stops
     assert engine.llm is None
     again = engine.sample(requests(), SamplingSettings())  # started again, with the same weights and seeds
     assert [[s.tokens for s in r] for r in first] == [[s.tokens for s in r] for r in again]
+    assert sys.excepthook is excepthook  # a traceback after many engine starts is printed once, without prefixes
 
 
 def test_a_bfloat16_engine_serves_close_logprobs(engine, tiny_model_dir, reference):

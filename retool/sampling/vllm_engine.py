@@ -176,8 +176,14 @@ class VLLMSampler:
         """An engine on `weights`; what its start writes below Python goes to the engine's log."""
         from vllm import LLM
 
-        with native_stderr_to(self.log_path):
-            return LLM(model=str(weights), tokenizer=str(self.model_path), **self.options)
+        # Each start's process group wraps sys.excepthook to prefix "[rank0]: " (torch's init_process_group): put
+        # back, or a traceback after N engine starts in one run carries the prefix N times a line.
+        excepthook = sys.excepthook
+        try:
+            with native_stderr_to(self.log_path):
+                return LLM(model=str(weights), tokenizer=str(self.model_path), **self.options)
+        finally:
+            sys.excepthook = excepthook
 
     def sleep(self) -> None:
         """Gives the memory back to a training step in this process. On a GPU, vLLM's sleep mode: level 1 under
