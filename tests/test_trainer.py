@@ -40,9 +40,9 @@ def datum_logprobs(model, datum) -> torch.Tensor:
     with torch.no_grad():
         return token_logprobs(
             model,
-            torch.as_tensor(datum.input_tokens)[None],
+            torch.tensor(datum.input_tokens)[None],
             torch.ones(1, datum.num_tokens, dtype=torch.long),
-            torch.as_tensor(datum.target_tokens)[None],
+            torch.tensor(datum.target_tokens)[None],
         )[0]
 
 
