@@ -90,28 +90,37 @@ def check_inputs(settings: RunSettings) -> None:
         read_conversations(settings.cold_start.data)
 
 
+def visible_gpus() -> int:
+    """The GPUs this process sees, counted through NVML. CUDA's own count (what torch.cuda.is_available asks by
+    default) makes a later fork's CUDA fail ("Cannot re-initialize CUDA in forked subprocess"), and this process
+    forks later: Luigi's worker processes, vLLM's engine core."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # is_available() through NVML too, in any library
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def check_machine(settings: RunSettings) -> None:
     """Fails at once when the settings cannot run here, naming the setting to change."""
     if settings.run.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
+        gpus = visible_gpus()
+        if not gpus:
             raise SettingsError(
                 "setting [run] device = cuda, but this machine has no GPU: run the CPU configuration "
                 "(LUIGI_CONFIG_PATH=configs/cpu.cfg, as `make run` does) or set device = cpu in the [run] section"
             )
-        if settings.run.train_processes > torch.cuda.device_count():
+        if settings.run.train_processes > gpus:
             raise SettingsError(
                 f"setting [run] train_processes = {settings.run.train_processes}, but this machine has "
-                f"{torch.cuda.device_count()} visible GPU(s): one training process per GPU"
+                f"{gpus} visible GPU(s): one training process per GPU"
             )
         sampler = settings.sampler
         engines = sampler.engines if sampler.engine == "vllm-server" and not sampler.servers else 1
-        if engines * sampler.tensor_parallel_size > torch.cuda.device_count():
+        if engines * sampler.tensor_parallel_size > gpus:
             raise SettingsError(
                 f"setting [sampler] engines = {engines} with tensor_parallel_size = {sampler.tensor_parallel_size} "
                 f"needs {engines * sampler.tensor_parallel_size} GPUs, but this machine has "
-                f"{torch.cuda.device_count()} visible: each engine has its own GPUs"
+                f"{gpus} visible: each engine has its own GPUs"
             )
     if settings.sampler.engine == "vllm-server" and (limit := cpu_server_limit(settings)):
         raise SettingsError(limit)
@@ -201,18 +210,69 @@ def precision_line(settings: RunSettings) -> str:
     return f"{line} (auto: {why(settings.run.device)})"
 
 
-# Qwen3.5's linear-attention kernels by module: without them transformers trains it on a slower torch path.
-LINEAR_ATTENTION_KERNELS = {"fla": "flash-linear-attention", "causal_conv1d": "causal-conv1d"}
+# Qwen3.5's linear-attention kernels: distribution -> (package, the imports that must succeed). transformers'
+# Qwen3.5 and Qwen3-Next take these ops where they import (use_kernel_func_from_hub_with_fallback), else a slower
+# torch path; causal_conv1d_cuda is causal-conv1d's compiled op, built against one torch.
+LINEAR_ATTENTION_KERNELS = {
+    "flash-linear-attention": (
+        "fla",
+        ("from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule",),
+    ),
+    "causal-conv1d": (
+        "causal_conv1d",
+        ("from causal_conv1d import causal_conv1d_fn, causal_conv1d_update", "import causal_conv1d_cuda"),
+    ),
+}
 
 
 def kernels_line(settings: RunSettings) -> str | None:
-    """On a GPU: which of the linear-attention kernels the trainer can use."""
+    """On a GPU: which of the linear-attention kernels the trainer can use: active (its ops import), installed but
+    broken (with the import's error), or missing. The imports run in a child process: fla initialises CUDA as it
+    imports, which would break this process's later forks, and an extension built for another torch may crash."""
     if settings.run.device != "cuda":
         return None
-    found = {name: importlib.util.find_spec(module) is not None for module, name in LINEAR_ATTENTION_KERNELS.items()}
-    listed = ", ".join(f"{name} {'active' if active else 'missing'}" for name, active in found.items())
-    missing = "" if all(found.values()) else " (a linear-attention model such as Qwen3.5 trains slower: make gpu-venv)"
-    return f"kernels: {listed}{missing}"
+    import subprocess
+
+    states = {
+        name: "missing"
+        for name, (package, _) in LINEAR_ATTENTION_KERNELS.items()
+        if not importlib.util.find_spec(package)
+    }
+    installed = {name: imports for name, (_, imports) in LINEAR_ATTENTION_KERNELS.items() if name not in states}
+    if installed:
+        probe = (
+            "import json, sys\n"
+            "for name, imports in json.loads(sys.argv[1]).items():\n"
+            "    try:\n"
+            "        for statement in imports:\n"
+            "            exec(statement, {})\n"
+            "        error = None\n"
+            "    except BaseException as caught:\n"
+            "        error = f'{type(caught).__name__}: {caught}'\n"
+            "    print(json.dumps([name, error]), flush=True)\n"
+        )
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}  # the child imports what this process would
+        try:
+            child = subprocess.run(
+                [sys.executable, "-c", probe, json.dumps(installed)], capture_output=True, env=env, timeout=300
+            )
+            output, ended = child.stdout, f"its import ended the process (exit status {child.returncode})"
+        except subprocess.TimeoutExpired as timeout:
+            output, ended = timeout.stdout or b"", "its import took over 300 s"
+        for line in output.decode(errors="replace").splitlines():
+            try:
+                name, error = json.loads(line)
+            except (ValueError, TypeError):
+                continue  # a library's own output
+            if name in installed:
+                states[name] = "active" if error is None else f"installed but broken: {error}"
+        for name in installed:
+            states.setdefault(name, f"installed but broken: {ended}")
+    listed = ", ".join(f"{name} {states[name]}" for name in LINEAR_ATTENTION_KERNELS)
+    if all(state == "active" for state in states.values()):
+        return f"kernels: {listed}"
+    hint = "a linear-attention model such as Qwen3.5 trains slower: make gpu-venv; pip uninstall a broken one first"
+    return f"kernels: {listed} ({hint})"
 
 
 def precision_settings(settings: RunSettings) -> list[tuple[str, str]]:

@@ -63,10 +63,10 @@ def release_sampler_memory(settings: RunSettings) -> None:
 
 
 def reclaim_sampler_memory(settings: RunSettings) -> None:
-    """Once the step's checkpoint is written: the run's servers wake up for the next round. This process's own
-    engine wakes when it is next used, into the next policy's weights (waking it now would load the old ones
-    first: on a CPU, a whole engine start)."""
-    if sampler_kind(settings) == "vllm-server":
+    """Once the step's checkpoint is written: the run's servers of a LoRA wake up for the next round. Servers of
+    full weights and this process's own engine wake when next used, into the next policy's weights (waking them now
+    would load the old ones first: on a GPU a reload of the whole model, on a CPU a whole engine start)."""
+    if sampler_kind(settings) == "vllm-server" and settings.trainer.lora_rank:
         for engine in _samplers_holding_memory(settings):
             engine.wake()
 
@@ -109,6 +109,7 @@ def _load_engine(
         return ServerSampler(
             urls[index], device, settings.sampler.request_timeout_seconds, memory=memory,
             attempts=settings.sampler.request_attempts, revive=lambda url: revive_server(settings, url),
+            full_weights=not settings.trainer.lora_rank,
         )  # fmt: skip
     if kind == "vllm":
         from retool.sampling.vllm_engine import VLLMSampler

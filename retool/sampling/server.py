@@ -53,6 +53,7 @@ def server_command(settings: RunSettings, port: int) -> list[str]:
         engine_dtype(settings.sampler, settings.run.device),
         "--logprobs-mode",  # logprobs at the sampling temperature, as the trainer takes them
         LOGPROBS_MODE,
+        "--language-model-only",  # text only: a multimodal model's vision tower not loaded nor profiled
     ]
     if on_cpu:  # as the in-process CPU engine: eager, no chunked prefill (see retool.sampling.vllm_engine)
         command += ["--enforce-eager", "--no-enable-chunked-prefill"]

@@ -82,11 +82,13 @@ class ServerSampler:
         attempts: int = 4,
         revive: Callable[[str], None] | None = None,
         backoff_seconds: float = 1.0,
+        full_weights: bool = False,
     ):
         """`memory`: the server's GPU (its position among this process's) and dtype, when it takes full weights
         from this process's memory (see retool.sampling.weight_transfer); `attempts`: the tries of a call whose
         failure may pass, `backoff_seconds` apart and doubling; `revive(url)`: returns once a server that stopped
-        answering answers again (retool.sampling.server.revive_server), or raises."""
+        answering answers again (retool.sampling.server.revive_server), or raises; `full_weights`: the run's
+        policies are full weights (not adapters over the server's own)."""
         self.url, self.device, self.memory = url.rstrip("/"), device, memory
         self.request_timeout_seconds = request_timeout_seconds  # a hung server fails the call, then its retries
         self.attempts, self.backoff_seconds, self.revive = attempts, backoff_seconds, revive
@@ -103,6 +105,9 @@ class ServerSampler:
         self._workers = workers  # HTTP calls at once, one per request: the server batches them
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = 0  # the process the pool's threads run in (a forked worker needs its own)
+        # vLLM's sleep level while a step trains: 1 keeps the base weights adapters are served over (to host
+        # memory); 2 drops full weights, which the next policy overwrites anyway (no copy out and back).
+        self.sleep_level = 2 if full_weights else 1
 
     def use_policy(self, policy: Policy | None, in_memory: Mapping[str, Any] | None = None) -> None:
         """A LoRA policy is loaded under a new name (the server caches adapters by name); full weights are
@@ -114,10 +119,9 @@ class ServerSampler:
         if self.revive is not None and not is_healthy(self.url):  # it died between this process's calls
             self._revive_server(self._revived, policy)
             return
-        self.wake()
-        self._load_weights(
-            policy.weights if policy is not None else Path(self.base_model), in_memory if self.memory else None
-        )
+        weights, in_memory = policy.weights if policy is not None else Path(self.base_model), in_memory
+        self.wake(weights, in_memory if self.memory else None)
+        self._load_weights(weights, in_memory if self.memory else None)
         previous, self.model = self.model, self.base_model
         if policy is not None and policy.adapter is not None:
             # Named by content: every process and command that serves this checkpoint loads the same name,
@@ -148,8 +152,9 @@ class ServerSampler:
             if " answered 404" not in str(error):
                 raise
 
-    def _load_weights(self, weights: Path, in_memory: Mapping[str, Any] | None = None) -> None:
-        if weights.resolve() == self.weights.resolve():
+    def _load_weights(self, weights: Path, in_memory: Mapping[str, Any] | None = None, dropped: bool = False) -> None:
+        """`dropped`: the server's weight buffers hold nothing (woken from a level-2 sleep): loaded whatever it held."""
+        if weights.resolve() == self.weights.resolve() and not dropped:
             return
         if self.device == "cpu":
             raise ServerError(
@@ -170,13 +175,24 @@ class ServerSampler:
         self.weights = weights
 
     def sleep(self) -> None:
-        """Frees the GPU for a training step (weights to CPU memory, KV cache dropped); nothing on a CPU."""
+        """Frees the GPU for a training step (KV cache dropped; weights to CPU memory or dropped, by sleep_level);
+        nothing on a CPU."""
         if self.device == "cuda":
-            _call("POST", self.url, "/sleep?level=1", self.request_timeout_seconds)
+            _call("POST", self.url, f"/sleep?level={self.sleep_level}", self.request_timeout_seconds)
 
-    def wake(self) -> None:
-        if self.device == "cuda":
+    def wake(self, weights: Path | None = None, in_memory: Mapping[str, Any] | None = None) -> None:
+        """Takes the GPU back. After a level-2 sleep (by this process or another: the server says), `weights` (by
+        default those this process serves) are loaded into the woken weight buffers before the KV cache takes its
+        memory, as vLLM's sleep-mode recipe for new weights; waking a server that is awake changes nothing."""
+        if self.device != "cuda":
+            return
+        asleep = self.sleep_level == 2 and _call("GET", self.url, "/is_sleeping", self.request_timeout_seconds)
+        if not (asleep and asleep.get("is_sleeping")):
             _call("POST", self.url, "/wake_up", self.request_timeout_seconds)
+            return
+        _call("POST", self.url, "/wake_up?tags=weights", self.request_timeout_seconds)
+        self._load_weights(weights or self.weights, in_memory, dropped=True)
+        _call("POST", self.url, "/wake_up?tags=kv_cache", self.request_timeout_seconds)
 
     def close(self) -> None:
         """Closes the client; the server itself goes on serving (whoever started it stops it)."""

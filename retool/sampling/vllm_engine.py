@@ -34,6 +34,9 @@ CPU_ENVIRONMENT = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
+# On a GPU: the engine core is started by spawn, never fork. vLLM forks unless CUDA is initialised in this process,
+# and a fork after any query that touched CUDA's driver (a library's torch.cuda.is_available) cannot use CUDA.
+GPU_ENVIRONMENT = {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # what vLLM takes as max_lora_rank (vllm.config.lora)
 
 
@@ -112,9 +115,8 @@ class VLLMSampler:
         """`weights`: the full weights to load first (a checkpoint's), if not the model's; `log_path`: where
         vLLM's own log lines go (the terminal with RETOOL_DEBUG=1, or without a path); `tensor_parallel_size`:
         the GPUs the engine spans; `weights_in_memory`: full weights may come from the trainer's memory (GPU)."""
-        if device == "cpu":
-            for name, value in CPU_ENVIRONMENT.items():
-                os.environ.setdefault(name, value)
+        for name, value in (CPU_ENVIRONMENT if device == "cpu" else GPU_ENVIRONMENT).items():
+            os.environ.setdefault(name, value)
         import vllm  # noqa: F401  (loaded, with the environment above, before its logging is set below)
 
         vllm_logs_to(log_path)
@@ -143,6 +145,7 @@ class VLLMSampler:
         # Logprobs of the distribution each token was drawn from (logits / temperature), as the trainer takes them;
         # vLLM's default is the raw logits' logprobs, which agree with it only at temperature 1.
         options["logprobs_mode"] = LOGPROBS_MODE
+        options["language_model_only"] = True  # text only: a multimodal model's vision tower not loaded nor profiled
         self.device, self.options = device, dict(max_model_len=max_model_len, seed=0, **options)
         self.weights = Path(weights) if weights is not None else self.model_path  # the full weights it holds now
         self.log_path = log_path

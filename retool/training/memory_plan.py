@@ -28,7 +28,9 @@ class ModelShape:
 @dataclass(frozen=True)
 class MemoryPlan:
     weights: int  # bytes of the model's weights in the training dtype (and autocast's bfloat16 copies of them)
-    trainable_state: int  # the trained weights' gradients and Adam moments (and LoRA's own weights)
+    # The trained weights' gradients and Adam moments (and LoRA's own weights); Adam is fused on CUDA, so no
+    # temporary the size of every trained weight (its default there, foreach, would add one: 16 GiB at 4B float32).
+    trainable_state: int
     activations: int  # of one micro-batch, at the peak of its backward pass
     logits: int  # one chunk of output-layer logits, their softmax and its gradient, in float32
 
@@ -86,20 +88,25 @@ def plan_step(shape: ModelShape, config: TrainerConfig, processes: int = 1) -> M
         trainable = shape.lora_parameters * config.lora_rank * 4 * 4
     else:
         trainable = shape.parameters * size * 3  # gradient and two Adam moments in the weights' dtype
-    # autocast's bfloat16 copy of each trained weight, cached until the backward pass
-    cast = shape.parameters * compute if compute < size and not config.lora_rank else 0
-    if processes > 1 and config.data_parallel == "fsdp":
+    sharded = processes > 1 and config.data_parallel == "fsdp"
+    # The residual stream between layers (each layer's saved input): in the weights' dtype under autocast, whose
+    # sums of float32 and bfloat16 stay float32; in bfloat16 where FSDP2 gathers the weights so.
+    residual = compute if sharded else size
+    if sharded:
         # Each process holds 1/K of every weight and of the trained state, and two layers whole at a time (one
-        # prefetched), with their bfloat16 casts (not cached under FSDP2: see step.policy_pass).
-        weights, trainable = weights // processes + 2 * (weights + cast) // shape.layers, trainable // processes
-    else:
-        weights += cast
+        # prefetched), gathered in the products' dtype (parallel.mixed_precision).
+        weights, trainable = (
+            weights // processes + 2 * shape.parameters * compute // shape.layers,
+            trainable // processes,
+        )
+    elif compute < size and not config.lora_rank:
+        weights += shape.parameters * compute  # autocast's bfloat16 copy of each weight, cached for the backward pass
     tokens = config.micro_batch_tokens
     # One layer's forward and backward intermediates: attention projections and output, the MLP's gate,
     # up and product, norms, and their gradients (about twice the forward's).
     one_layer = 2 * tokens * compute * (6 * shape.hidden_size + 4 * shape.intermediate_size)
     if config.gradient_checkpointing:
-        activations = shape.layers * tokens * shape.hidden_size * compute + one_layer  # saved inputs, one recomputed
+        activations = shape.layers * tokens * shape.hidden_size * residual + one_layer  # saved inputs, one recomputed
     else:
         activations = shape.layers * one_layer
     logits = 3 * min(config.logprob_chunk_tokens, tokens) * shape.vocab_size * 4
@@ -142,14 +149,30 @@ def out_of_memory_advice(plan: MemoryPlan, config: TrainerConfig) -> str:
     )
 
 
-def check_plan(plan: MemoryPlan, free_bytes: int) -> None:
+def check_plan(plan: MemoryPlan, free_bytes: int, sharding: str = "") -> None:
+    """Refuses a plan above `free_bytes`, naming the settings that lower it (and `sharding`: see sharded_fit)."""
     if plan.total > free_bytes:
         raise MemoryPlanError(
             f"one training step needs about {plan.describe()}, but {free_bytes / GIB:.1f} GiB of GPU memory is "
             "free: lower [trainer] micro_batch_tokens (activations) or logprob_chunk_tokens (logits), keep "
             "gradient_checkpointing on, train a LoRA (lora_rank > 0) rather than every weight, or give the "
-            "sampler less with [sampler] gpu_memory_utilization"
+            f"sampler less with [sampler] gpu_memory_utilization{sharding}"
         )
+
+
+def sharded_fit(shape: ModelShape, config: TrainerConfig, processes: int, free_bytes: int) -> str:
+    """For a full fine-tune that does not fit in `processes` GPUs: the fewest GPUs whose FSDP2 shards fit in as much
+    free memory each, as a clause of the refusal ("" for a LoRA, or where no node of up to 64 GPUs would do)."""
+    if config.lora_rank:
+        return ""
+    for gpus in (2, 4, 8, 16, 32, 64):
+        plan = plan_step(shape, replace(config, data_parallel="fsdp"), gpus)
+        if gpus > processes and plan.total <= free_bytes:
+            return (
+                f"; or shard it with FSDP2 over {gpus} GPUs, {plan.describe()} each: [run] train_processes = {gpus} "
+                "with [trainer] data_parallel = auto"
+            )
+    return ""
 
 
 def check_memory(base_model: Path, config: TrainerConfig, device: str, processes: int = 1) -> None:
@@ -158,6 +181,8 @@ def check_memory(base_model: Path, config: TrainerConfig, device: str, processes
     if device.startswith("cuda"):
         import torch
 
-        plan = plan_step(model_shape(base_model), config, processes)
+        shape = model_shape(base_model)
+        plan = plan_step(shape, config, processes)
         print(f"memory plan of the training step: {plan.describe()}", flush=True)
-        check_plan(plan, torch.cuda.mem_get_info()[0])
+        free = torch.cuda.mem_get_info()[0]
+        check_plan(plan, free, sharded_fit(shape, config, processes, free))

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -86,14 +86,23 @@ def data_parallel(model, config: TrainerConfig, device: str):
     if config.data_parallel == "fsdp":
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         layers = set(getattr(base, "_no_split_modules", None) or ())  # transformers names its decoder layer classes
+        policy = mixed_precision(config)
         for module in base.modules():
             if type(module).__name__ in layers:
-                fully_shard(module)
-        return fully_shard(wrapped)  # moves each process's shards to its device
+                fully_shard(module, mp_policy=policy)
+        return fully_shard(wrapped, mp_policy=policy)  # moves each process's shards to its device
     device_ids = [torch.cuda.current_device()] if device.startswith("cuda") else None  # torchrun set it per rank
-    # Buffers are constants here: none is broadcast before each forward pass (which would make every process run
-    # the same forward passes); gradients live in DDP's buckets, not in a second copy.
-    return DDP(wrapped.to(device), device_ids=device_ids, broadcast_buffers=False, gradient_as_bucket_view=True)
+    # Buffers are constants here: synced once at the start, never before each forward pass (which would make every
+    # process run the same forward passes); gradients live in DDP's buckets, not in a second copy.
+    return DDP(wrapped.to(device), device_ids=device_ids, forward_sync_buffers=False, gradient_as_bucket_view=True)
+
+
+def mixed_precision(config: TrainerConfig) -> MixedPrecisionPolicy:
+    """FSDP2's casts under autocast_bfloat16: each layer gathered in bfloat16 (half the bytes on the wire and in
+    memory, no autocast re-casting every weight), gradients reduced in float32 into the float32 shards Adam keeps."""
+    if config.autocast_bfloat16 != "true":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def loads_on(config: TrainerConfig, device: str) -> str:

@@ -58,7 +58,7 @@ def hold(
     """Keeps the state that `checkpoint` was just written from, on `on` (the host, or the training device)."""
     global _held, _saves_at_exit
     drop()
-    _move(model, optimizer, on)
+    _move(trained, optimizer, on)
     stamp = _stamp(checkpoint)
     _held = Held(checkpoint, stamp, base_model, config, model, trained, optimizer, random_state(), device)
     if parallel.rank_and_world()[1] == 1 and not _saves_at_exit:  # a training group saves it itself, all together
@@ -77,7 +77,7 @@ def take(checkpoint: Path | None, base_model: Path, config: TrainerConfig) -> He
     same = held.checkpoint == checkpoint and marker.exists() and held.stamp == _stamp(checkpoint)
     if not (same and held.base_model == base_model and _same_settings(held.config, config)):
         return None
-    _move(held.model, held.optimizer, held.device)
+    _move(held.trained, held.optimizer, held.device)
     set_random_state(held.rng)
     return held
 
@@ -114,7 +114,7 @@ def save_at_exit() -> None:
     if checkpoint is None or checkpoint.holds_state or not checkpoint.marker.exists():
         return
     set_random_state(held.rng)
-    _move(held.model, held.optimizer, held.device)
+    _move(held.trained, held.optimizer, held.device)
     gathered = parallel.whole_state(held.model, held.optimizer, held.trained)
     if parallel.rank_and_world()[0]:
         return
@@ -126,9 +126,11 @@ def save_at_exit() -> None:
     )  # fmt: skip
 
 
-def _move(model, optimizer, device: str) -> None:
-    """The model and Adam's moments to `device` (no copy where they are already there)."""
-    model.to(device)
+def _move(trained, optimizer, device: str) -> None:
+    """The model as this process trains it, and Adam's moments, to `device` (no copy where they are already there).
+    The object that trains moves, not the model inside it: FSDP2's own `_apply` re-points the shards it gathers
+    from, which moving an inner module skips (its forward would then read the weights from before the move)."""
+    trained.to(device)
     for state in optimizer.state.values():
         for name, value in state.items():
             if isinstance(value, torch.Tensor) and name != "step":

@@ -90,7 +90,9 @@ def optimizer_for(model, previous: Path | None, config: TrainerConfig, device: s
     """Adam over the model's trainable weights (as this process holds them: sharded under FSDP2), with the previous
     checkpoint's state and random state."""
     parameters = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(parameters, lr=config.learning_rate, betas=(config.beta1, config.beta2))
+    # On CUDA one fused kernel: the default there (foreach) allocates temporaries the size of every trained weight.
+    fused = {"fused": True} if device.startswith("cuda") else {}
+    optimizer = torch.optim.Adam(parameters, lr=config.learning_rate, betas=(config.beta1, config.beta2), **fused)
     if previous is not None:
         parallel.restore_optimizer(model, optimizer, Checkpoint(previous).optimizer, device)
         restore_rng(Checkpoint(previous).rng)
@@ -154,11 +156,9 @@ def policy_pass(
     for position, (batch, counted, last) in enumerate(parallel.share_of_micro_batches(batches)):
         tensors = _micro_batch_tensors(datums, batch, (weights if counted else None) or [0.0] * len(datums), device)
         mask = tensors["loss_mask"]
-        in_bfloat16 = config.autocast_bfloat16 == "true"
-        # Under FSDP2 autocast must not cache its bfloat16 casts: they would keep every gathered layer alive.
-        autocast = torch.autocast(
-            torch.device(device).type, torch.bfloat16, enabled=in_bfloat16, cache_enabled=not parallel.sharded(model)
-        )
+        # FSDP2 gathers each layer's weights in bfloat16 itself (its mixed-precision policy): no autocast around it.
+        in_bfloat16 = config.autocast_bfloat16 == "true" and not parallel.sharded(model)
+        autocast = torch.autocast(torch.device(device).type, torch.bfloat16, enabled=in_bfloat16)
         # DDP reduces the gradients in the last backward pass only: the earlier ones accumulate locally.
         no_sync = model.no_sync() if isinstance(model, DDP) and not last else contextlib.nullcontext()
         with torch.set_grad_enabled(weights is not None), autocast, no_sync, out_of_memory_in(batch):

@@ -23,6 +23,8 @@ from retool.training import resident
 from retool.training.group import POLL_SECONDS, PR_SET_PDEATHSIG, REQUEST, RESPONSE, alive
 from retool.training.resume import StepInputs, train_from_files
 
+WAIT_FOR_STEP = timedelta(hours=24)  # a group waits for its next step while the command samples: no time-out meanwhile
+
 
 def _next_request(folder: Path, parent: int) -> dict | None:
     """The next step's inputs (the request consumed); None when asked to stop or the command is gone."""
@@ -55,9 +57,12 @@ def serve_steps(folder: Path, parent: int, hold_on: str, device: str) -> None:
     _die_with_parent()
     first = dist.get_rank() == 0
     logging.basicConfig(level=logging.INFO, format=f"[process {dist.get_rank()}] %(message)s")  # to the group's log
+    # The others wait for the next request on the host (gloo), not in an NCCL kernel that spins on a GPU the sampler
+    # uses meanwhile; no wait may time out while the command samples.
+    requests = dist.new_group(backend="gloo", timeout=WAIT_FOR_STEP)
     while True:
         request = [_next_request(folder, parent) if first else None]
-        dist.broadcast_object_list(request, src=0)
+        dist.broadcast_object_list(request, src=0, group=requests)
         if request[0] is None:
             break
         try:
@@ -87,8 +92,7 @@ def main() -> None:
     if "WORLD_SIZE" in os.environ:
         if device == "cuda":  # before the process group, so that NCCL binds each rank to its own GPU
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        # A group waits for its next step while the command samples: no collective may time out meanwhile.
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=timedelta(hours=24))
+        dist.init_process_group("nccl" if device == "cuda" else "gloo", timeout=WAIT_FOR_STEP)
     if args.serve:
         serve_steps(args.serve, args.parent, args.hold_on, device)
     else:
