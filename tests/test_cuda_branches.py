@@ -285,3 +285,16 @@ def test_a_server_put_to_sleep_by_another_process_is_woken_into_this_ones_weight
     sampler.wake()
     sampler.close()
     assert ("POST", "/collective_rpc", "step0/model") in server.calls
+
+
+def test_an_8_gpu_node_gives_each_server_64_sequences_to_decode_text_only():
+    """configs/node8.cfg layered on luigi.cfg, as LUIGI_CONFIG_PATH does: each server decodes at least 64 sequences
+    of a step at once (8 would leave it bound by reading its weights), and serves the text model only."""
+    from retool.config.files import settings_from_files
+    from retool.sampling.server import server_command
+    from tests.helpers import REPO
+
+    settings = settings_from_files([REPO / "luigi.cfg", REPO / "configs" / "node8.cfg"])
+    sequences = settings.data.questions_per_step * settings.rollout.group_size
+    assert sequences // settings.sampler.engines >= 64 and settings.rollout.shards % settings.sampler.engines == 0
+    assert "--language-model-only" in server_command(settings.changed(model={"name": "default"}), 8000)
