@@ -5,7 +5,6 @@ tokenizer, the sandbox's pre-warmed servers)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -210,64 +209,13 @@ def precision_line(settings: RunSettings) -> str:
     return f"{line} (auto: {why(settings.run.device)})"
 
 
-# Qwen3.5's linear-attention kernels: distribution -> (package, the imports that must succeed). transformers'
-# Qwen3.5 and Qwen3-Next take these ops where they import (use_kernel_func_from_hub_with_fallback), else a slower
-# torch path; causal_conv1d_cuda is causal-conv1d's compiled op, built against one torch.
-LINEAR_ATTENTION_KERNELS = {
-    "flash-linear-attention": (
-        "fla",
-        ("from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule",),
-    ),
-    "causal-conv1d": (
-        "causal_conv1d",
-        ("from causal_conv1d import causal_conv1d_fn, causal_conv1d_update", "import causal_conv1d_cuda"),
-    ),
-}
-
-
 def kernels_line(settings: RunSettings) -> str | None:
-    """On a GPU: which of the linear-attention kernels the trainer can use: active (its ops import), installed but
-    broken (with the import's error), or missing. The imports run in a child process: fla initialises CUDA as it
-    imports, which would break this process's later forks, and an extension built for another torch may crash."""
+    """On a GPU: which of the linear-attention kernels the trainer can use (retool/run/kernels.py)."""
     if settings.run.device != "cuda":
         return None
-    import subprocess
+    from retool.run.kernels import LINEAR_ATTENTION_KERNELS, kernel_states
 
-    states = {
-        name: "missing"
-        for name, (package, _) in LINEAR_ATTENTION_KERNELS.items()
-        if not importlib.util.find_spec(package)
-    }
-    installed = {name: imports for name, (_, imports) in LINEAR_ATTENTION_KERNELS.items() if name not in states}
-    if installed:
-        probe = (
-            "import json, sys\n"
-            "for name, imports in json.loads(sys.argv[1]).items():\n"
-            "    try:\n"
-            "        for statement in imports:\n"
-            "            exec(statement, {})\n"
-            "        error = None\n"
-            "    except BaseException as caught:\n"
-            "        error = f'{type(caught).__name__}: {caught}'\n"
-            "    print(json.dumps([name, error]), flush=True)\n"
-        )
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}  # the child imports what this process would
-        try:
-            child = subprocess.run(
-                [sys.executable, "-c", probe, json.dumps(installed)], capture_output=True, env=env, timeout=300
-            )
-            output, ended = child.stdout, f"its import ended the process (exit status {child.returncode})"
-        except subprocess.TimeoutExpired as timeout:
-            output, ended = timeout.stdout or b"", "its import took over 300 s"
-        for line in output.decode(errors="replace").splitlines():
-            try:
-                name, error = json.loads(line)
-            except (ValueError, TypeError):
-                continue  # a library's own output
-            if name in installed:
-                states[name] = "active" if error is None else f"installed but broken: {error}"
-        for name in installed:
-            states.setdefault(name, f"installed but broken: {ended}")
+    states = kernel_states()
     listed = ", ".join(f"{name} {states[name]}" for name in LINEAR_ATTENTION_KERNELS)
     if all(state == "active" for state in states.values()):
         return f"kernels: {listed}"
