@@ -15,6 +15,7 @@ COMMANDS = {  # command -> (module of retool.cli, what it does)
     "export-sft": ("export_sft", "a run's correct rollouts as cold-start conversations"),
     "settings": ("settings", "every setting by section, with its default and description"),
     "view": ("view", "a step's or an evaluation's trajectories as one HTML page: turns, rewards, tokens"),
+    "verify": ("verify", "a run checked from its own files: every rule, and the first row that breaks one"),
 }
 
 
