@@ -137,6 +137,7 @@ COMMANDS = (
     "retool synthetic",
     "retool convert",
     "retool export-sft",
+    "retool verify",
     "retool model",
     "bench",
     "bench.gpu",
