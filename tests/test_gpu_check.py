@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.gpu import NotRunHere, run_phases
+from bench.gpu_harness import NotRunHere, run_phases
 from tests.conftest import REPO
 
 PHASES = (
