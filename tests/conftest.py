@@ -11,7 +11,7 @@ import pytest
 
 from retool.protocol.chat import BUNDLED_TEMPLATE, ChatProtocol, load_tokenizer
 from retool.weights.models import DEFAULT_MODEL_DIR, build_default_model, build_tiny_model
-from tests.helpers import REPO
+from tests.helpers import REPO, assert_verifies
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -54,6 +54,7 @@ def uninterrupted_run(tiny_model_dir, tmp_path_factory) -> dict:
     runs = tmp_path_factory.mktemp("uninterrupted") / "runs"
     done = run(write_config(runs.parent / "reference.cfg", runs, tiny_model_dir, "reference"), "luigi")
     assert done.returncode == 0, done.stderr[-3000:]
+    assert_verifies(runs / "reference")
     return outputs(runs / "reference")
 
 

@@ -207,3 +207,11 @@ def start_serve(config: Path, runs: Path, run_name: str = "served"):
         time.sleep(0.5)
     assert record.exists(), serve.communicate(timeout=60)[0]
     return serve, record
+
+
+def assert_verifies(run_dir: Path) -> None:
+    """Every rule of `python -m retool verify` holds on a run folder a test made."""
+    from retool.verify.run import verify_run
+
+    report = verify_run(run_dir)
+    assert report.holds, "\n".join(report.lines())

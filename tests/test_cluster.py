@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from bench.cluster import command, finished, free_port, luigid, write_config
+from tests.helpers import assert_verifies
 
 pytestmark = pytest.mark.slow
 STAGE_LINE = re.compile(r"^(\w+\([^)]*\)): .* -> ", re.MULTILINE)  # one per stage a command ran, then the last
@@ -78,6 +79,7 @@ def test_two_nodes_that_join_at_different_times_share_the_shards_and_both_exit_0
     assert any(label.startswith(("SampleRound(step=1", "ExecuteRound(step=1")) for label in ran_first)
     assert out_second.rstrip().splitlines()[-1].startswith("TrainStep(step=1): ")  # done, or already complete
     assert rollout_tables(tmp_path / "runs" / "shared") == reference("TrainStep", 1)
+    assert_verifies(tmp_path / "runs" / "shared")
 
 
 def test_a_node_killed_in_the_middle_of_a_shard_loses_nothing(scheduler, tmp_path, tiny_model_dir, reference):
@@ -102,6 +104,7 @@ def test_a_node_killed_in_the_middle_of_a_shard_loses_nothing(scheduler, tmp_pat
     assert stdout.rstrip().splitlines()[-1].startswith("TrainStep(step=0): done -> ")
     assert not list((tmp_path / "runs/shared").rglob("*.tmp-*"))  # nothing half-written is left
     assert rollout_tables(tmp_path / "runs" / "shared") == reference("TrainStep", 0)
+    assert_verifies(tmp_path / "runs" / "shared")
 
 
 def test_a_target_that_fails_on_one_node_fails_every_node_with_task_failed(scheduler, tmp_path, tiny_model_dir):

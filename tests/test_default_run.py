@@ -17,7 +17,7 @@ import pytest
 
 from retool.config.precision import this_processor
 from retool.evaluation.analysis import metrics_by_step
-from tests.helpers import REPO
+from tests.helpers import REPO, assert_verifies
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -51,6 +51,7 @@ def test_the_default_run_cold_starts_updates_every_step_and_compares(tmp_path, d
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     run = tmp_path / "runs" / "cpu-default"
+    assert_verifies(run)
     chosen = "bfloat16" if this_processor().native_bfloat16 else "float32"  # auto, as configs/cpu.cfg sets it
     assert result.stdout.splitlines()[0].startswith(f"dtype: sampler {chosen}, trainer float32")
     assert json.loads((run / "config.json").read_text())["sampler"]["dtype"] == chosen

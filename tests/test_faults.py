@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.conftest import BASE
-from tests.helpers import REPO
+from tests.helpers import REPO, assert_verifies
 
 pytestmark = pytest.mark.slow
 COMMAND = ["--module", "pipeline", "TrainStep", "--step", "0"]
@@ -170,6 +170,7 @@ def test_a_run_killed_at_every_stage_finishes_with_the_rows_of_an_uninterrupted_
         assert point in points, (point, points)
 
     assert_same_outputs(uninterrupted_run, outputs(runs / "faulty"))
+    assert_verifies(runs / "faulty")
     assert any("datums.parquet" in name for name in uninterrupted_run)
     assert any("adapter" in name for name in uninterrupted_run)
     assert "sft/checkpoint/model/model.safetensors" in uninterrupted_run

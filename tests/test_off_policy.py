@@ -15,6 +15,7 @@ from retool.config.trainer import TrainerConfig
 from retool.files.tables import DATUMS, SAMPLES, TRAJECTORIES, read_table
 from retool.training.losses import importance_weights, limited_by_correction
 from retool.training.step import load_policy, update_policy
+from tests.helpers import assert_verifies
 from tests.test_trainer import CONFIG, datum_logprobs, on_policy_datums
 
 
@@ -142,6 +143,8 @@ def test_a_lagged_run_samples_the_next_step_while_one_trains_and_a_killed_run_re
         return folder
 
     runs = [run("lagged-a", killed=False), run("lagged-b", killed=True)]
+    for folder in runs:
+        assert_verifies(folder.path)
     trained = next(t for t in stage_timings(runs[0].step(1).timings) if t["stage"] == "TrainStep")
     sampled = [t for t in stage_timings(runs[0].step(2).timings) if t["stage"] == "SampleRound"]
     assert min(t["ended"] - t["seconds"] for t in sampled) < trained["ended"]  # step 2 sampled before step 1 ended
