@@ -181,3 +181,35 @@ def test_a_run_folder_that_is_not_one_is_an_error_naming_it(tmp_path):
         [sys.executable, "-m", "retool", "verify", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 2 and f"{tmp_path}: not a run folder" in done.stderr
+
+
+def test_the_health_table_of_a_trained_run_through_the_command(trained):
+    done = subprocess.run(
+        [sys.executable, "-m", "retool", "verify", str(trained), "--health"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    for measure in ("answered", "budget_stops", "void_turns", "tool_call_rate", "errors_in_correct", "entropy"):
+        assert measure in done.stdout
+    assert done.stdout.rstrip().endswith("0 warning(s) over 1 step(s)")
+
+
+def test_a_measure_that_collapses_is_warned_against_the_runs_own_best():
+    import polars as pl
+
+    from retool.evaluation.health import health_warnings
+
+    table = pl.DataFrame(
+        {
+            "step": [0, 1, 2, 3],
+            "answered": [0.6, 0.8, 0.7, 0.3],  # below half of 0.8 at step 3
+            "budget_stops": [0.2, 0.1, 0.15, 0.3],  # over twice 0.1 and over 0.25 at step 3
+            "format": [0.5, 0.6, 0.6, 0.55],  # steady
+            "entropy": [0.4, 0.5, 0.45, 0.4],  # steady
+        }
+    )
+    assert health_warnings(table) == [
+        "step 3: answered 0.300 against 0.800: answered share below half its best",
+        "step 3: budget_stops 0.300 against 0.100: budget stops over twice their least",
+    ]
+    assert health_warnings(table.head(3)) == []

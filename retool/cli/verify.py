@@ -10,9 +10,12 @@ import argparse
 import time
 from pathlib import Path
 
+import polars as pl
+
 from retool.cli.export_sft import step_list
 from retool.config.settings import SettingsError
 from retool.data.examples import DataError
+from retool.evaluation.health import health_by_step, health_warnings
 from retool.files.layout import RunFolder
 from retool.files.tables import TableError, write_table_atomically
 from retool.verify.run import verify_run
@@ -25,7 +28,10 @@ def main() -> int:
     parser.add_argument("run", type=Path, help="run folder, e.g. runs/cpu-default")
     parser.add_argument("--steps", type=step_list, help="training steps, e.g. 0,2-4 (default: every scored step)")
     parser.add_argument("--out", type=Path, help=f"the findings' Parquet file (default: RUN/{FINDINGS_FILE})")
+    parser.add_argument("--health", action="store_true", help="the run's health by step instead, with its warnings")
     args = parser.parse_args()
+    if args.health:
+        return print_health(args.run, parser)
     started = time.perf_counter()
     try:
         report = verify_run(args.run, args.steps or ())
@@ -38,6 +44,23 @@ def main() -> int:
     verdict = "every rule holds" if report.holds else "BROKEN: see the lines above"
     print(f"{args.run}: {verdict} ({time.perf_counter() - started:.1f} s); findings -> {out}")
     return 0 if report.holds else 1
+
+
+def print_health(run: Path, parser: argparse.ArgumentParser) -> int:
+    """The health table (retool/evaluation/health.py), then a line per collapse; exit 1 when any."""
+    if not RunFolder(run).config.is_file():
+        parser.exit(2, f"python -m retool verify: {run}: not a run folder (it holds no config.json)\n")
+    table = health_by_step(run)
+    shown = {"tbl_rows": -1, "tbl_cols": -1, "tbl_width_chars": 10_000, "float_precision": 3}
+    with pl.Config(
+        **shown, tbl_formatting="ASCII_MARKDOWN", tbl_hide_column_data_types=True, tbl_hide_dataframe_shape=True
+    ):
+        print(table)
+    warnings = health_warnings(table)
+    for warning in warnings:
+        print(f"WARNING {warning}")
+    print(f"{run}: {len(warnings)} warning(s) over {table.height} step(s)")
+    return 1 if warnings else 0
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from retool.evaluation.analysis import (  # noqa: E402
     trajectory_lengths,
     worst_trajectories,
 )
+from retool.evaluation.health import health_by_step, health_warnings
 from retool.files.atomic import write_text_atomically  # noqa: E402
 from retool.files.layout import REPORT, RunFolder  # noqa: E402
 from retool.rollout.state import STOP_REASONS  # noqa: E402
@@ -298,6 +299,8 @@ def make_report(run: str | Path, out: str | Path | None = None, step: int | None
         "![tool use](tool_use.png)\n",
         _markdown_table(metrics, TRAINING_COLUMNS),
         LOSS_NOTE,
+        "## Health\n",
+        health_section(up_to(health_by_step(run), step)),
         "## Sandbox\n",
         "![sandbox](sandbox.png)\n",
         _markdown_table(errors, ["error", "calls"]),
@@ -324,6 +327,12 @@ def make_report(run: str | Path, out: str | Path | None = None, step: int | None
     report = out / REPORT
     write_text_atomically(report, "\n".join(sections))
     return report
+
+
+def health_section(health: pl.DataFrame) -> str:
+    """The health table and its warnings (retool/evaluation/health.py), as `python -m retool verify --health`."""
+    warnings = "".join(f"- **{warning}**\n" for warning in health_warnings(health)) or "No measure has collapsed.\n"
+    return _markdown_table(health, list(health.columns)) + "\n" + warnings
 
 
 def with_intervals(evals: pl.DataFrame, columns: list[str]) -> pl.DataFrame:
