@@ -3,12 +3,14 @@ broke it, each named by its file, question, branch, round and token position."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy
 import pyarrow as pa
+
+from retool.files.tables import row_views
 
 # The rules, in the order a step's files are made; each line of the report is one of them.
 RULES = {
@@ -123,37 +125,56 @@ def first_difference(expected, found) -> int | None:
     return None if len(a) == len(b) else length
 
 
-def compare_rows(
+def compare_tables(
     rule_of: dict[str, str | Callable[[tuple[int, int], int | None], str]],
-    expected: Sequence[dict],
-    found: Sequence[dict],
+    expected: pa.Table,
+    found: pa.Table,
     file: Path,
     report: Report,
     step: int,
 ) -> None:
-    """Row by row and column by column, the rows a stage would write from its inputs against those its file holds;
-    rows are keyed by (question, branch). `rule_of`: the rule each compared column answers to, or a function of the
-    branch and the first position that differs that says which."""
-    key = ("question_index", "group_index")
-    found_by_key = {tuple(row[k] for k in key): row for row in found}
-    for row in expected:
-        branch = tuple(row[k] for k in key)
-        recorded = found_by_key.get(branch)
-        if recorded is None:
-            continue  # accounting names rows missing from a file
-        for column, rule in rule_of.items():
-            want, have = row[column], recorded[column]
-            if isinstance(want, list | tuple | numpy.ndarray) and have is not None and want is not None:
-                position = first_difference(want, have)
-                if position is None:
-                    continue
-                message = f"{column} differs from what its inputs give at item {position}"
-            elif want == have or (_is_nan(want) and _is_nan(have)):
-                continue
-            else:
-                position, message = None, f"{column} is {have!r}, its inputs give {want!r}"
+    """Column by column, the rows a stage would write from its inputs against those its file holds, matched by
+    (question, branch) (rows in one only are accounting's to name). Token columns are compared as numpy views of
+    the files' buffers, never as Python values (a step holds tens of millions of tokens). `rule_of`: the rule each
+    compared column answers to, or a function of the branch and the first position that differs that says which."""
+    expected, found = _matched(expected, found)
+    questions, groups = expected.column("question_index").to_pylist(), expected.column("group_index").to_pylist()
+    rounds = expected.column("round").to_pylist() if "round" in expected.column_names else [None] * len(questions)
+    for column, rule in rule_of.items():
+        for row, position, message in _differences(column, expected.column(column), found.column(column)):
+            branch = (questions[row], groups[row])
             named = rule if isinstance(rule, str) else rule(branch, position)
-            report.add(Finding(named, str(file), message, step, *branch, row.get("round"), position, column))
+            report.add(Finding(named, str(file), message, step, *branch, rounds[row], position, column))
+
+
+def _matched(expected: pa.Table, found: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """Both tables' rows of the (question, branch) pairs they share, in one order."""
+    keys = [
+        list(zip(t.column("question_index").to_pylist(), t.column("group_index").to_pylist()))
+        for t in (expected, found)
+    ]
+    if keys[0] == keys[1]:
+        return expected, found
+    where = {branch: index for index, branch in enumerate(keys[1])}
+    shared = [(index, where[branch]) for index, branch in enumerate(keys[0]) if branch in where]
+    return expected.take([a for a, _ in shared]), found.take([b for _, b in shared])
+
+
+def _differences(column: str, expected: pa.ChunkedArray, found: pa.ChunkedArray):
+    """(row, first differing item or None, message) of each row where the two columns differ."""
+    if pa.types.is_list(expected.type) and not expected.null_count and not found.null_count:
+        for row, (want, have) in enumerate(zip(row_views(expected), row_views(found), strict=True)):
+            if (position := first_difference(want, have)) is not None:
+                yield row, position, f"{column} differs from what its inputs give at item {position}"
+        return
+    for row, (want, have) in enumerate(zip(expected.to_pylist(), found.to_pylist(), strict=True)):
+        if want == have or (_is_nan(want) and _is_nan(have)):
+            continue
+        if isinstance(want, list) and isinstance(have, list):
+            position = first_difference(want, have)
+            yield row, position, f"{column} differs from what its inputs give at item {position}"
+        else:
+            yield row, None, f"{column} is {have!r}, its inputs give {want!r}"
 
 
 def _is_nan(value) -> bool:

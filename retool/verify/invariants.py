@@ -15,6 +15,7 @@ from retool.data.reward import score_answer
 from retool.files.layout import StepFolder
 from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, read_table, row_views
 from retool.protocol.chat import ChatProtocol
+from retool.rollout.replay import sample_rows
 from retool.rollout.state import turn_text
 from retool.sampling.contract import SampledSequence
 from retool.verify.findings import Finding, Report, first_difference
@@ -113,7 +114,7 @@ def check_rounds(folder: StepFolder, stage: StageSettings, protocol: ChatProtoco
     rollout = stage.settings.rollout
     for shard in range(rollout.shards):
         for round_index, paths in enumerate(folder.rounds(shard, rollout.rounds)):
-            for row in read_table(paths.samples, SAMPLES).to_pylist():
+            for row in sample_rows(read_table(paths.samples, SAMPLES)):  # token columns as numpy views
                 for rule, message in turn_problems(row, protocol, rollout):
                     report.add(Finding(rule, str(paths.samples), message, step, row["question_index"],
                                        row["group_index"], round_index))  # fmt: skip

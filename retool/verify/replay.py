@@ -17,7 +17,7 @@ from retool.rollout.replay import TOKEN_COLUMNS, StaleInputError, replay_files, 
 from retool.rollout.stage_tables import datums_table, observations_table, scored_table
 from retool.rollout.state import REFUSED, Trajectory
 from retool.sandbox.observation import ExecutionResult
-from retool.verify.findings import Finding, Report, compare_rows
+from retool.verify.findings import Finding, Report, compare_tables
 from retool.verify.invariants import branches
 
 # The rule each column of a stage's file answers to.
@@ -94,7 +94,7 @@ def replayed_rounds(
         lengths = pc.add(*(pc.list_value_length(samples[name]) for name in TOKEN_COLUMNS[:2])).to_pylist()
         extended = dict(zip(branches(samples), lengths, strict=True))
         rules = {**OBSERVATION_RULES, "next_prompt_tokens": functools.partial(next_prompt_rule, extended)}
-        compare_rows(rules, derived.to_pylist(), recorded.to_pylist(), paths.observations, report, step)
+        compare_tables(rules, derived, recorded, paths.observations, report, step)
         report.checked("observation", recorded.num_rows)  # the other rules count these rows in invariants.py
     return trajectories
 
@@ -121,7 +121,7 @@ def check_shard(
         report.add(Finding("stops_and_budgets", str(folder.scored(shard)), str(error), step))
         return
     recorded = read_table(folder.scored(shard), TRAJECTORIES)
-    compare_rows(SCORE_RULES, scored.to_pylist(), recorded.to_pylist(), folder.scored(shard), report, step)
+    compare_tables(SCORE_RULES, scored, recorded, folder.scored(shard), report, step)
     if not folder.shard_datums(shard).exists():  # an evaluation, or a step not trained yet
         return
     in_shard = shard_of(step_scores.column("question_index").to_numpy(), settings.rollout.shards) == shard
@@ -129,4 +129,4 @@ def check_shard(
         trajectories, step_scores.filter(in_shard), step, stage.sampled_by, settings.rollout.trainer_max_tokens
     )
     found = read_table(folder.shard_datums(shard), DATUMS)
-    compare_rows(DATUM_RULES, derived.to_pylist(), found.to_pylist(), folder.shard_datums(shard), report, step)
+    compare_tables(DATUM_RULES, derived, found, folder.shard_datums(shard), report, step)

@@ -18,7 +18,7 @@ from retool.rollout.datums import datums_to_table, step_datums
 from retool.rollout.stage_tables import merged_scores
 from retool.run.setup import recorded_settings
 from retool.run.shared import protocol_for
-from retool.verify.findings import Finding, Report, compare_rows
+from retool.verify.findings import Finding, Report, compare_tables
 from retool.verify.invariants import check_accounting, check_datums, check_rewards, check_rounds
 from retool.verify.replay import DATUM_RULES, SCORE_RULES, check_shard
 from retool.weights.checkpoint import Checkpoint
@@ -47,7 +47,7 @@ def verify_step(folder: StepFolder, stage: StageSettings, protocol: ChatProtocol
     merged = merged_scores(
         [read_table(folder.scored(shard), TRAJECTORIES) for shard in shards], stage.settings.data.keep_limit
     )
-    compare_rows(SCORE_RULES, merged.to_pylist(), scores.to_pylist(), folder.trajectories, report, step)
+    compare_tables(SCORE_RULES, merged, scores, folder.trajectories, report, step)
     for shard in shards:
         check_shard(folder, stage, protocol, scores, shard, step, report)
         check_datums(folder, stage, shard, step, report)
@@ -55,9 +55,7 @@ def verify_step(folder: StepFolder, stage: StageSettings, protocol: ChatProtocol
         joined = datums_to_table(
             step_datums([read_table(folder.shard_datums(s), DATUMS) for s in shards]), step, stage.sampled_by
         )
-        compare_rows(
-            DATUM_RULES, joined.to_pylist(), read_table(folder.datums, DATUMS).to_pylist(), folder.datums, report, step
-        )
+        compare_tables(DATUM_RULES, joined, read_table(folder.datums, DATUMS), folder.datums, report, step)
         check_checkpoint(folder, stage, step, report)
 
 
