@@ -69,3 +69,32 @@ def test_serve_reads_its_settings_without_the_task_layer(tmp_path):
         misspelt.returncode == 2
         and "unknown setting [run] runz_dir in the config files; did you mean runs_dir?" in (misspelt.stderr)
     ), misspelt.stderr[-2000:]
+
+
+def test_every_function_the_rule_indexes_name_exists():
+    """Both rule indexes of docs/layout.md (the rollout chapter's and the update's) point at functions that exist."""
+    import ast
+    import re
+
+    page = (REPO / "docs/layout.md").read_text()
+    indexes = page[page.index("## Rule index: the seed's chapter") : page.index("## Departures from the seed")]
+    named = re.findall(r"`((?:retool|pipeline|jobs)/[\w/]+\.py):([\w.]+)`", indexes)
+    assert len(named) > 30
+    missing = []
+    for path, dotted in named:
+        tree = ast.parse((REPO / path).read_text())
+        scope = tree.body
+        for part in dotted.split("."):
+            found = [
+                node
+                for node in scope
+                if isinstance(node, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef)
+                and node.name == part
+                or isinstance(node, ast.Assign)
+                and any(getattr(t, "id", None) == part for t in node.targets)
+            ]
+            if not found:
+                missing.append(f"{path}:{dotted}")
+                break
+            scope = getattr(found[0], "body", [])
+    assert not missing, missing

@@ -65,27 +65,37 @@ def token_logprobs(
     return (logprobs, scattered(entropy_pieces)) if with_entropy else logprobs
 
 
-def importance_weights(proximal: torch.Tensor, behaviour: torch.Tensor, config: TrainerConfig) -> torch.Tensor:
-    """Each token's weight in decoupled PPO: the proximal policy's probability of it over the behaviour policy's
-    (the sampler's), truncated at correction_cap (tis), or 0 outside [correction_floor, correction_cap] (mis);
-    1 without a correction."""
-    weight = torch.exp(proximal - behaviour)
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(p || q) on tokens drawn from p, `log_ratio` = log q - log p: r - 1 - log r.
+    Never negative and unbiased; its gradient in log q is r - 1."""
+    return torch.exp(log_ratio) - 1 - log_ratio
+
+
+def clip_band(config: TrainerConfig) -> tuple[float, float]:
+    """PPO's range for the ratio of the policy to the one the clip keeps it near: [1 - clip_low, 1 + clip_high]."""
+    return 1.0 - config.clip_low, 1.0 + config.clip_high
+
+
+def corrected(weight: torch.Tensor, config: TrainerConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's importance weight under [trainer] correction, and whether the correction limited it: truncated
+    at correction_cap (tis), or 0 outside [correction_floor, correction_cap] (mis); 1 without a correction."""
     if config.correction == "tis":
-        return torch.clamp(weight, max=config.correction_cap)
+        return torch.clamp(weight, max=config.correction_cap), weight > config.correction_cap
     if config.correction == "mis":
         inside = (weight >= config.correction_floor) & (weight <= config.correction_cap)
-        return torch.where(inside, weight, torch.zeros_like(weight))
-    return torch.ones_like(weight)
+        return torch.where(inside, weight, torch.zeros_like(weight)), ~inside
+    return torch.ones_like(weight), torch.zeros_like(weight, dtype=torch.bool)
+
+
+def importance_weights(proximal: torch.Tensor, behaviour: torch.Tensor, config: TrainerConfig) -> torch.Tensor:
+    """Each token's weight in decoupled PPO: the proximal policy's probability of it over the behaviour policy's
+    (the sampler's), as the correction bounds it (`corrected`)."""
+    return corrected(torch.exp(proximal - behaviour), config)[0]
 
 
 def limited_by_correction(proximal: torch.Tensor, behaviour: torch.Tensor, config: TrainerConfig) -> torch.Tensor:
     """The tokens whose importance weight the correction truncated (tis) or dropped (mis)."""
-    weight = torch.exp(proximal - behaviour)
-    if config.correction == "tis":
-        return weight > config.correction_cap
-    if config.correction == "mis":
-        return (weight < config.correction_floor) | (weight > config.correction_cap)
-    return torch.zeros_like(weight, dtype=torch.bool)
+    return corrected(torch.exp(proximal - behaviour), config)[1]
 
 
 def ppo_token_loss(
@@ -106,17 +116,16 @@ def ppo_token_loss(
     else:
         proximal = logprobs.detach() if proximal is None else proximal
         ratio, weight = torch.exp(logprobs - proximal), importance_weights(proximal, behaviour, config)
-    clipped_ratio = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
+    clipped_ratio = torch.clamp(ratio, *clip_band(config))
     loss = -torch.minimum(ratio * advantages, clipped_ratio * advantages) * weight
     clipped = (ratio * advantages > clipped_ratio * advantages).detach()
     return loss, clipped
 
 
 def kl_to_reference(logprobs: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(policy || reference) on tokens the policy sampled: r - 1 - log r, r = reference /
-    policy. Never negative, unbiased, and its gradient, 1 - r, pulls each token's logprob toward the reference's."""
-    log_ratio = reference - logprobs
-    return torch.exp(log_ratio) - 1 - log_ratio
+    """Per-token k3 estimate of KL(policy || reference) on tokens the policy sampled, r = reference / policy; its
+    gradient in the policy's logprob, 1 - r, pulls each token's logprob toward the reference's."""
+    return k3(reference - logprobs)
 
 
 def token_loss(

@@ -25,7 +25,14 @@ from retool.config.trainer import TrainerConfig
 from retool.rollout.datums import Datum
 from retool.training import parallel
 from retool.training.checkpoints import restore_rng
-from retool.training.losses import importance_weights, kl_to_reference, limited_by_correction, token_loss
+from retool.training.losses import (
+    clip_band,
+    importance_weights,
+    k3,
+    kl_to_reference,
+    limited_by_correction,
+    token_loss,
+)
 from retool.training.out_of_memory import MicroBatchPlan, out_of_memory_in, repacked
 from retool.training.packing import MicroBatch, loss_token_weights, pack_micro_batches
 from retool.training.record import StepMetrics
@@ -216,7 +223,7 @@ def drift_sums(before: PolicyPass, after: PolicyPass | None, config: TrainerConf
         "tokens": float(old.numel()),
         "entropy": float(torch.cat(before.entropies).sum()) if before.entropies else 0.0,
         "gap": float(gap.abs().sum()),
-        "kl_sampler": float((torch.exp(gap) - 1 - gap).sum()),
+        "kl_sampler": float(k3(gap).sum()),
         "kl_k1": 0.0,
         "kl_k3": 0.0,
         "outside_clip": 0.0,
@@ -230,10 +237,10 @@ def drift_sums(before: PolicyPass, after: PolicyPass | None, config: TrainerConf
     }
     if after is not None and after.logprobs:
         log_ratio = torch.cat(after.logprobs) - old  # log pi_after / pi_before
-        ratio = torch.exp(log_ratio)
+        ratio, (low, high) = torch.exp(log_ratio), clip_band(config)
         sums["kl_k1"] = float(-log_ratio.sum())
-        sums["kl_k3"] = float((ratio - 1 - log_ratio).sum())
-        sums["outside_clip"] = float(((ratio < 1 - config.clip_low) | (ratio > 1 + config.clip_high)).sum())
+        sums["kl_k3"] = float(k3(log_ratio).sum())
+        sums["outside_clip"] = float(((ratio < low) | (ratio > high)).sum())
     return sums
 
 
