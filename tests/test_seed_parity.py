@@ -179,6 +179,16 @@ def test_the_observation_is_the_seeds(result, seen):
     assert observation_text(result, SandboxConfig(timeout_seconds=10)) == seen
 
 
+def test_a_long_output_read_back_from_the_sandbox_counts_what_it_cut_as_the_seed_does():
+    """The seed reads back the last 16384 bytes of a stream and cuts them to their last 4096 characters, counting the
+    characters it cut: 10,033 printed, 5937 cut."""
+    from retool.sandbox.call import Sandbox
+
+    config = SandboxConfig(timeout_seconds=20)
+    [result] = Sandbox(config).run_many(["print('y' * 10032)"])
+    assert observation_text(result, config) == "[... truncated 5937 chars ...]\n" + "y" * 4095 + "\n"
+
+
 # -- departures kept, each a row of docs/layout.md, "Departures from the seed" --------------------------------------
 
 

@@ -20,7 +20,9 @@ class SandboxConfig:
     cpu_seconds: int = 0  # RLIMIT_CPU of the child; 0 = timeout_seconds, rounded up
     memory_mb: int = 2048  # RLIMIT_AS of the child (0 = no limit)
     file_mb: int = 64  # RLIMIT_FSIZE: caps every file the code writes, its output files included
-    output_tail_bytes: int = 8192  # how much of the end of stdout and of stderr is read back
+    # How much of the end of stdout and of stderr is read back: the seed's 4 bytes a character of the 4096 a seed
+    # observation keeps, so that its "[... truncated N chars ...]" counts what the seed's does
+    output_tail_bytes: int = 16384
     max_workers: int = 4  # calls running at the same time, across threads and event loops
     max_processes: int = 64  # processes and threads of one call, counted by a pids cgroup
     contain: bool = True  # use the namespaces and cgroups this machine allows (see Containment)
