@@ -31,12 +31,16 @@ def without(table: pa.Table, column: str) -> pa.Table:
 
 
 @pytest.mark.parametrize(
-    "rollout",
-    [{}, {"max_code_calls": 1, "max_assistant_turns": 2, "calls_spent": "answer_turn"}],
-    ids=["calls spent end", "an answer turn past the last"],
+    "rollout, reward",
+    [
+        ({}, {}),
+        ({"max_code_calls": 1, "max_assistant_turns": 2, "calls_spent": "answer_turn"}, {}),
+        ({}, {"valid_call_bonus": 0.1, "wrong_answer_call_credit": 0.2}),
+    ],
+    ids=["calls spent end", "an answer turn past the last", "shaped rewards"],
 )
-def test_pipeline_parquet_equals_the_in_memory_rollout(configure, monkeypatch, rollout):
-    settings = configure("equal", rollout=rollout)
+def test_pipeline_parquet_equals_the_in_memory_rollout(configure, monkeypatch, rollout, reward):
+    settings = configure("equal", rollout=rollout, reward=reward)
     assert build(settings, 1, tool_policy(settings, 1), monkeypatch)
 
     observations_by_round = []
@@ -59,6 +63,7 @@ def test_pipeline_parquet_equals_the_in_memory_rollout(configure, monkeypatch, r
         settings.rollout,
         step=1,
         on_round=record,
+        reward=settings.reward,
     )
 
     assert read_table(step_dir(settings, 1) / "trajectories.parquet", TRAJECTORIES).equals(

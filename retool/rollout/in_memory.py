@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from retool.config.reward import RewardConfig
 from retool.config.rollout import RolloutConfig
 from retool.data.examples import MathExample
 from retool.protocol.chat import ChatProtocol
@@ -32,9 +33,11 @@ def rollout_in_memory(
     step: int = 0,
     on_round: Callable[[int, Sequence[Trajectory]], None] | None = None,
     keep_limit: int | None = None,
+    reward: RewardConfig = RewardConfig(),
 ) -> list[Trajectory]:
     """The whole state machine in one process: rounds until every trajectory ends, then the end of the step
-    (`end_step`). The pipeline runs the same steps one stage at a time and must give the same result."""
+    (`end_step`, under `reward`, the run's [reward]). The pipeline runs the same steps one stage at a time and must
+    give the same result."""
     trajectories = start_trajectories(examples, protocol, config)
     settings = sampling_settings(config, protocol)
     round_index = 0
@@ -47,4 +50,4 @@ def rollout_in_memory(
         if on_round:
             on_round(round_index, trajectories)
         round_index += 1
-    return end_step(trajectories, keep_limit)
+    return end_step(trajectories, keep_limit, reward, config.max_trajectory_tokens)
