@@ -193,7 +193,7 @@ def training_stage(settings: RunSettings, step: int) -> StageSettings:
     return StageSettings(settings, behaviour_step(step, settings.rollout.max_staleness))
 
 
-def sampled_by(engine: str, device: str) -> str:
+def sampling_engine(engine: str, device: str) -> str:
     """The engine whose tokens a run's samples are: `auto` resolved, vLLM's server counted as vLLM."""
     resolved = ("vllm" if device == "cuda" else "hf") if engine == "auto" else engine
     return SAME_SAMPLES.get(resolved, resolved)
@@ -215,7 +215,7 @@ def frozen(settings: RunSettings) -> dict[str, dict[str, Any]]:
     sections["trainer"]["dtype"] = trainer.dtype
     sections["trainer"]["autocast_bfloat16"] = trainer.autocast_bfloat16
     sections["sampler"]["dtype"] = engine_dtype(settings.sampler, settings.run.device)
-    sections["sampler"]["engine"] = sampled_by(settings.sampler.engine, settings.run.device)
+    sections["sampler"]["engine"] = sampling_engine(settings.sampler.engine, settings.run.device)
     for section, names in [*OPERATIONAL.items(), *INTERNAL.items()]:
         for name in names:
             del sections[section][name]

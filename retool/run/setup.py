@@ -16,7 +16,7 @@ from typing import Any
 
 from retool.config.precision import bfloat16_native, bfloat16_slowdown, why
 from retool.config.sampler import engine_dtype
-from retool.config.settings import PRECISION, RunSettings, SettingsError, check_training, frozen, sampled_by
+from retool.config.settings import PRECISION, RunSettings, SettingsError, check_training, frozen, sampling_engine
 from retool.data.conversations import read_conversations
 from retool.evaluation.tracking import Tracker, check_tracker
 from retool.files.atomic import publish_once, write_text_atomically
@@ -251,7 +251,7 @@ def upgraded(recorded: dict[str, dict[str, Any]], device: str) -> dict[str, dict
     """A config.json written by an earlier version, read as this version records the same settings."""
     sampler, trainer = recorded.get("sampler", {}), recorded.get("trainer", {})
     if "engine" in sampler:  # frozen before vLLM's server counted as vLLM
-        sampler["engine"] = sampled_by(sampler["engine"], device)
+        sampler["engine"] = sampling_engine(sampler["engine"], device)
     if sampler.get("dtype") == "auto":  # frozen before `auto` was recorded as what it chose
         sampler["dtype"] = "bfloat16" if device == "cuda" else "float32"
     if "tis_cap" in trainer:  # frozen when truncated importance sampling was a cap alone (0: off)
