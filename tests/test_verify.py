@@ -213,3 +213,11 @@ def test_a_measure_that_collapses_is_warned_against_the_runs_own_best():
         "step 3: budget_stops 0.300 against 0.100: budget stops over twice their least",
     ]
     assert health_warnings(table.head(3)) == []
+
+
+def test_a_step_not_trained_yet_verifies_its_rollout_and_names_no_checkpoint(trained):
+    """A step whose TrainStep has not finished has no checkpoint folder (it is written whole, then renamed): its
+    rollout and datums are still checked, and nothing is said of the checkpoint it does not have yet."""
+    shutil.rmtree(trained / "step=0000" / "checkpoint")
+    report = verify_run(trained)
+    assert report.holds and report.tallies["checkpoints"].rows == 0 and report.tallies["datums"].rows

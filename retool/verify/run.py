@@ -60,9 +60,11 @@ def verify_step(folder: StepFolder, stage: StageSettings, protocol: ChatProtocol
 
 
 def check_checkpoint(folder: StepFolder, stage: StageSettings, step: int, report: Report) -> None:
-    """A trained step's checkpoint: marked (written to the end), its metrics those of the datums it trained on, and
-    the sampler's logprobs within max_sampler_gap of the trainer's where the step measured them."""
+    """A trained step's checkpoint, where there is one: marked (written to the end), its metrics those of the datums
+    it trained on, and the sampler's logprobs within max_sampler_gap of the trainer's where the step measured them."""
     checkpoint, path = Checkpoint(folder.checkpoint), str(folder.checkpoint)
+    if not folder.checkpoint.exists():  # not trained yet (a checkpoint is written whole, then renamed into place)
+        return
     report.checked("checkpoints", 1)
     if not checkpoint.marker.exists() or not checkpoint.metrics.exists():
         report.add(
