@@ -164,13 +164,13 @@ def plan_training(settings: RunSettings) -> dict:
 
 def join_datums(settings: RunSettings) -> dict:
     """The step's datums.parquet, the shards' joined, as TrainStep writes it while the update runs."""
-    from jobs.build_datums import build_datums
     from retool.config.settings import training_stage
     from retool.files.layout import RunFolder
+    from retool.run.joined_datums import join_step_datums
 
     def join() -> dict:
         folder = RunFolder(settings.run_dir).step(0)
-        build_datums(_shard_datums(settings), folder.datums, training_stage(settings, 0), 0, folder.timings)
+        join_step_datums(_shard_datums(settings), folder.datums, training_stage(settings, 0), 0, folder.timings)
         return {"output_bytes": folder.datums.stat().st_size, "files": 1}
 
     return _measured(BESIDE_THE_UPDATE, join)

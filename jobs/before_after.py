@@ -10,14 +10,15 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from jobs.report import report as write_report
 from retool.config.settings import RunSettings
 from retool.data.conversations import read_conversations
 from retool.data.examples import read_examples
+from retool.evaluation.report import report_with_page
 from retool.evaluation.scores import before_after_markdown, paired_difference, question_groups, summarize_eval
 from retool.evaluation.viewer import PageFiles
 from retool.files.atomic import write_text_atomically
 from retool.files.tables import TRAJECTORIES, read_table
+from retool.run.shared import token_decoder
 
 
 def training_sources(settings: RunSettings) -> tuple[frozenset[str], frozenset[str]]:
@@ -54,5 +55,5 @@ def before_after(
         groups.append((group, summaries, differences))
     table = before_after_markdown(groups)
     write_text_atomically(out, table)
-    write_report(report, settings, step, page)
+    report_with_page(report, settings, step, page, token_decoder(settings.model))
     return "\n" + table

@@ -1,18 +1,16 @@
 """ShardDatums: one shard's trajectories of the groups that train, as the trainer's token rows ->
-shard=NN/datums.parquet, which the trainer reads; BuildDatums: the shards' together -> datums.parquet, which TrainStep
-writes while it trains."""
+shard=NN/datums.parquet, which the trainer reads (TrainStep joins the shards' into datums.parquet while it trains:
+retool/run/joined_datums.py)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from retool.config.settings import StageSettings
-from retool.evaluation.metrics import record_stage_seconds
 from retool.files.layout import RoundPaths
-from retool.files.tables import DATUMS, TRAJECTORIES, parquet_seconds, read_table
-from retool.rollout.datums import step_datums, write_datums
+from retool.files.tables import TRAJECTORIES, read_table
+from retool.rollout.datums import write_datums
 from retool.rollout.replay import replay_files, shard_of
 from retool.rollout.stage_tables import describe_datums, trained_datums
 from retool.run.shared import protocol_for
@@ -37,15 +35,4 @@ def shard_datums(
     replayed = replay_files(prompts, rounds, protocol_for(settings.model), settings.rollout, shard)
     datums = trained_datums(replayed, scored.filter(in_shard), settings.rollout.trainer_max_tokens)
     table = write_datums(datums, step, stage.sampled_by, out)
-    return describe_datums(table)
-
-
-def build_datums(shards: Sequence[Path], out: Path, stage: StageSettings, step: int, timings: Path) -> str:
-    """`shards`: every shard's datums.parquet, merged in (question, branch) order into the step's (`step_datums`;
-    Arrow's `take` on list columns costs seconds a step). Its wall time goes in the step's `timings`."""
-    started, parquet = time.perf_counter(), parquet_seconds()
-    datums = step_datums([read_table(path, DATUMS) for path in shards])
-    table = write_datums(datums, step, stage.sampled_by, out)
-    spent = (time.perf_counter() - started, parquet_seconds() - parquet)
-    record_stage_seconds(timings, "BuildDatums", "BuildDatums", *spent, {})
     return describe_datums(table)

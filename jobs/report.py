@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from retool.config.settings import RunSettings
-from retool.evaluation.report import make_report
-from retool.evaluation.viewer import PageFiles, write_page
+from retool.evaluation.report import report_with_page
+from retool.evaluation.viewer import PageFiles
 from retool.files.layout import VIEW
 from retool.run.shared import token_decoder
 
@@ -15,7 +15,5 @@ from retool.run.shared import token_decoder
 def report(out: Path, settings: RunSettings, step: int, page: PageFiles) -> str:
     """`out`: the report's folder. It reads every step's metrics up to `step` and every evaluation found, and
     holds the page of step `step`'s trajectories (drawn from `page`), which it links."""
-    out.mkdir(parents=True, exist_ok=True)
-    write_page(page, f"{settings.run.name}: step {step}", token_decoder(settings.model), out / VIEW)
-    make_report(settings.run_dir, out, step, view=VIEW)
+    report_with_page(out, settings, step, page, token_decoder(settings.model))
     return f"plots and summary of {step + 1} steps, and step {step}'s trajectories ({VIEW})"

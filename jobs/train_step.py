@@ -8,16 +8,15 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from jobs.build_datums import build_datums
-from retool.config.sampler import engine_dtype
 from retool.config.settings import StageSettings
-from retool.config.trainer import saves_in_full
 from retool.evaluation.metrics import describe_step, write_step_metrics
 from retool.evaluation.tracking import Tracker, scalars
 from retool.files.layout import RunFolder
 from retool.files.tables import TRAJECTORIES, read_table
 from retool.rollout.scoring import trained_groups
+from retool.run.joined_datums import join_step_datums
 from retool.run.shared import sandbox_for
+from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memory
 from retool.training.record import describe_metrics
 from retool.weights.models import behaviour_policy, rl_base
 
@@ -30,12 +29,11 @@ def train_step(
     """`previous`: the checkpoint the update starts from (None: step 0, from the RL base: the cold start's checkpoint
     `cold_start`, or the model setting); `behaviour`: the older step's that sampled it ([rollout] max_staleness);
     `observations` (every round's) and `timings` (the stages' wall times): for the metrics."""
+    from retool.run.placement import served_in, train_placed
     from retool.training.checkpoints import prune_checkpoints  # torch: only once a step trains
-    from retool.training.resume import StepInputs, stays_resident, train_placed
+    from retool.training.resume import StepInputs
 
     settings, run = stage.settings, stage.settings.run
-    # A trainer that stays between steps may skip a full save: its held state makes one at the command's end.
-    full_save = not stays_resident(settings) or saves_in_full(step, settings.trainer.save_every)
     num_trajectories, zero_variance_groups = trained_groups(read_table(trajectories, TRAJECTORIES).to_pylist())
     base = rl_base(cold_start, settings.model.name)
     inputs = StepInputs(
@@ -46,12 +44,14 @@ def train_step(
         previous=previous,
         out=checkpoint,
         config=settings.trainer_on_device(),
-        served_in="" if full_save else engine_dtype(settings.sampler, run.device),
+        served_in=served_in(settings, step),
         behaviour=behaviour_policy(stage.sampled_by, step, behaviour, base),
     )
     with ThreadPoolExecutor(max_workers=1) as beside:  # the update reads the shards: no update waits for the join
-        joined = beside.submit(build_datums, shard_datums, datums, stage, step, timings)
+        joined = beside.submit(join_step_datums, shard_datums, datums, stage, step, timings)
+        release_sampler_memory(settings)  # the sampler's GPU memory is the step's while it trains
         training, joined_datums = train_placed(inputs, settings), joined.result()
+        reclaim_sampler_memory(settings)
     steps = [(s, RunFolder(settings.run_dir).step(s).checkpoint) for s in range(step + 1)]
     prune_checkpoints(steps, run.keep_last, run.keep_every)
     extra = {"sandbox_containment": sandbox_for(settings.sandbox).containment.describe()}

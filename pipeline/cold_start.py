@@ -6,7 +6,7 @@ import luigi
 
 from jobs.cold_start import cold_start
 from jobs.sft_examples import sft_examples
-from pipeline.tasks import RunTask, path
+from pipeline.run_task import RunTask, path
 from retool.files.layout import StepFolder
 from retool.weights.checkpoint import Checkpoint
 

@@ -1,9 +1,8 @@
 """The settings' sections as Luigi config classes: [rollout] group_size in luigi.cfg, or
 --rollout-group-size on the command line. One class per RunSettings section, one parameter per field."""
 
-import json
 import re
-from dataclasses import MISSING, asdict
+from dataclasses import MISSING
 from functools import lru_cache
 
 import luigi
@@ -13,7 +12,6 @@ import luigi.task_register
 from retool.config.files import KINDS, check_sections, check_setting_names
 from retool.config.files import SECTIONS as SETTING_SECTIONS
 from retool.config.settings import RunSettings, SettingsError, setting_fields
-from retool.evaluation.spec import EvalSpec
 
 _PARAMETER_TYPES = {
     bool: luigi.BoolParameter,
@@ -76,29 +74,3 @@ def _unparsable(section: str, error: ValueError) -> SettingsError:
         given = luigi.configuration.get_config().get(section, name, None)
     default = next(f.default for f in setting_fields(section, SECTIONS[section][0]) if f.name == name)
     return SettingsError(f"setting [{section}] {name} = {given!r}: must be {KINDS.get(type(default), 'valid')}")
-
-
-class Choice(luigi.ChoiceParameter):
-    """A task option of a few values; a value that is none of them is an input error of one line naming them all."""
-
-    def __init__(self, option: str, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.option = option  # as the command line spells it, --eval-mode
-
-    def normalize(self, value):
-        if value not in self._choices:
-            raise SettingsError(f"{self.option} {value!r}: must be one of {', '.join(sorted(self._choices))}")
-        return value
-
-
-class EvalSpecParameter(luigi.Parameter):
-    """An evaluation as one parameter: the JSON of its fields; empty for a training step."""
-
-    def parse(self, text: str) -> EvalSpec | None:
-        return EvalSpec(**json.loads(text)) if text else None
-
-    def serialize(self, spec: EvalSpec | None) -> str:
-        return json.dumps(asdict(spec), sort_keys=True) if spec is not None else ""
-
-    def normalize(self, value):
-        return self.parse(value) if isinstance(value, str) else value

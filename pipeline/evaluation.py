@@ -9,14 +9,14 @@ import luigi
 from jobs.before_after import before_after
 from jobs.evaluate import evaluate
 from jobs.report import report
-from pipeline.config import Choice
-from pipeline.tasks import RunTask, ScoreTrajectories, TrainStep, page_files, path
+from pipeline.run_task import Choice, path
+from pipeline.tasks import ScoreTrajectories, StepTask, TrainStep, page_files
 from retool.evaluation.scores import EVAL_MODES
 from retool.evaluation.spec import EvalSpec
 from retool.files.layout import REPORT
 
 
-class EvaluationTask(RunTask):
+class EvaluationTask(StepTask):
     """The parameters of an evaluation of checkpoint `step`: its data, samples per question, mode and sampling."""
 
     dataset = luigi.Parameter(default="data/synthetic_eval.jsonl", description="evaluation data file")
@@ -53,7 +53,7 @@ class Evaluate(EvaluationTask):
         self.summary = evaluate(path(self.input()), path(self.output()), self.settings, self.spec(), self.step)
 
 
-class Report(RunTask):
+class Report(StepTask):
     """Once training step `step` is done: plots and a Markdown summary of steps 0..step and the evaluations of
     their checkpoints, under runs/<run>/report/step=NNNN/ (`python -m retool report runs/NAME` by hand, of all)."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import luigi
 import pytest
 
-from retool.config.settings import RunSettings, SettingsError
+from retool.config.settings import RunSettings, SettingsError, training_stage
 from retool.data.examples import MathExample
 from retool.data.frontier import disagreement, frontier_draw
 from retool.files.tables import PROMPTS, read_table
@@ -69,11 +69,15 @@ def test_the_floor_keeps_every_question_drawable():
 
 def test_a_step_reads_the_newest_finished_steps_and_draws_shuffled_without_them():
     settings = RunSettings().changed(data={"draw": "frontier", "frontier_steps": 3})
-    assert list(history_steps(settings, 0)) == [] and list(history_steps(settings, 5)) == [2, 3, 4]
+
+    def steps(settings, step):
+        return list(history_steps(training_stage(settings, step)))
+
+    assert steps(settings, 0) == [] and steps(settings, 5) == [2, 3, 4]
     lagged = settings.changed(rollout={"max_staleness": 1})
-    assert list(history_steps(lagged, 5)) == [1, 2, 3]  # step 4 still samples while step 5 does
+    assert steps(lagged, 5) == [1, 2, 3]  # step 4 still samples while step 5 does
     shuffled = RunSettings().changed(data={"draw": "shuffled"})
-    assert list(history_steps(shuffled, 5)) == []  # the shuffled walk reads nothing
+    assert steps(shuffled, 5) == []  # the shuffled walk reads nothing
     with pytest.raises(SettingsError, match=r"\[data\] draw"):
         RunSettings().changed(data={"draw": "hard"})
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from itertools import cycle
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import polars as pl  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from retool.config.settings import RunSettings  # noqa: E402
 from retool.evaluation.analysis import (  # noqa: E402
     eval_by_checkpoint,
     length_distributions,
@@ -24,8 +26,9 @@ from retool.evaluation.analysis import (  # noqa: E402
     worst_trajectories,
 )
 from retool.evaluation.health import health_by_step, health_warnings
+from retool.evaluation.viewer import PageFiles, write_page  # noqa: E402
 from retool.files.atomic import write_text_atomically  # noqa: E402
-from retool.files.layout import REPORT, RunFolder  # noqa: E402
+from retool.files.layout import REPORT, VIEW, RunFolder  # noqa: E402
 from retool.rollout.state import STOP_REASONS  # noqa: E402
 
 PLOTS = ("reward.png", "diagnostics.png", "tool_use.png", "sandbox.png", "lengths.png", "eval.png")
@@ -327,6 +330,16 @@ def make_report(run: str | Path, out: str | Path | None = None, step: int | None
     report = out / REPORT
     write_text_atomically(report, "\n".join(sections))
     return report
+
+
+def report_with_page(
+    out: Path, settings: RunSettings, step: int, page: PageFiles, decode: Callable[[int], str]
+) -> Path:
+    """The report of the run's steps up to `step` and of the evaluations found (`make_report`) in the folder `out`,
+    with the page of step `step`'s trajectories drawn from `page` (their tokens read by `decode`), which it links."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_page(page, f"{settings.run.name}: step {step}", decode, out / VIEW)
+    return make_report(settings.run_dir, out, step, view=VIEW)
 
 
 def health_section(health: pl.DataFrame) -> str:

@@ -8,7 +8,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from retool.config.sandbox import SandboxConfig
-from retool.config.settings import ModelConfig, RunSettings, training_stage
+from retool.config.settings import ModelConfig, RunSettings, StageSettings
 from retool.data.examples import MathExample, cached_examples, shuffled, take_batch
 from retool.data.frontier import Draw, frontier_draw
 from retool.files.layout import RoundPaths, RunFolder
@@ -52,13 +52,14 @@ def step_examples(settings: RunSettings, step: int) -> list[MathExample]:
     return take_batch(shuffled(cached_examples(data.train), data.seed), step, data.questions_rolled_out)
 
 
-def history_steps(settings: RunSettings, step: int) -> range:
-    """The earlier steps whose trajectories a frontier draw of step `step` reads: the newest [data] frontier_steps
-    of those finished before its sampling may start (up to the one whose checkpoint samples it); none otherwise."""
-    if settings.data.draw != "frontier":
+def history_steps(stage: StageSettings) -> range:
+    """The earlier steps whose trajectories a frontier draw of a training step under `stage` reads: the newest [data]
+    frontier_steps of those finished before its sampling may start (up to the one whose checkpoint samples it); none
+    otherwise."""
+    data, newest = stage.settings.data, stage.sampled_by
+    if data.draw != "frontier":
         return range(0)
-    newest = training_stage(settings, step).sampled_by
-    return range(max(newest + 1 - settings.data.frontier_steps, 0), newest + 1)
+    return range(max(newest + 1 - data.frontier_steps, 0), newest + 1)
 
 
 def step_draws(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import multiprocessing
 import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -19,12 +18,9 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from retool.config.settings import RunSettings
 from retool.config.trainer import TrainerConfig, resolved_data_parallel
-from retool.files.layout import RunFolder
 from retool.files.tables import DATUMS, read_table
 from retool.rollout.datums import Datum, step_datums
-from retool.sampling.engines import reclaim_sampler_memory, release_sampler_memory, sampler_kind
 from retool.training import parallel, resident
 from retool.training.checkpoints import save_checkpoint
 from retool.training.memory_plan import check_memory
@@ -115,49 +111,6 @@ def train_from_files(inputs: StepInputs, device: str = "cpu", hold_on: str = "")
     finally:
         del model, optimizer, trained
         release_memory(device, collect=not hold_on)
-    return metrics
-
-
-# Where a step trains: in this process, or in the command's training group (one process per GPU); and where the
-# trainer's state waits between steps, so that the next step starts from it rather than from the files.
-
-
-def trains_in_group(settings: RunSettings) -> bool:
-    return settings.run.train_processes > 1
-
-
-def stays_resident(settings: RunSettings) -> bool:
-    """The trainer stays between steps in this process (one training process, Luigi running the tasks here) or in
-    the command's training group (several); only then may a step skip the full save, which the held state makes at
-    the end of the command."""
-    return trains_in_group(settings) or multiprocessing.parent_process() is None
-
-
-def held_on(settings: RunSettings) -> str:
-    """Where the trainer waits between steps: the host while a sampler uses the same GPUs (an engine in this
-    process, or servers that sleep while a step trains: colocated); the GPU when the servers have their own."""
-    kind = sampler_kind(settings)
-    colocated = kind in ("vllm", "hf") or (kind == "vllm-server" and settings.sampler.sleep_while_training)
-    device = settings.run.device
-    return "cpu" if device == "cuda" and colocated else device
-
-
-def train_placed(inputs, settings: RunSettings) -> StepMetrics:
-    """Trains a StepInputs where the settings place it: the command's training group (started at its first step),
-    or this process (its state held on afterwards where it stays resident); the sampler sleeps meanwhile."""
-    release_sampler_memory(settings)  # the sampler's GPU memory is the step's while it trains
-    if trains_in_group(settings):
-        from retool.training.group import group_for, train_in_group
-
-        folder = RunFolder(settings.run_dir).trainer_group
-        command = multiprocessing.parent_process()  # Luigi's worker processes are the command's children
-        pid = group_for(
-            folder, settings.run.train_processes, held_on(settings), command.pid if command else os.getpid()
-        )
-        metrics = train_in_group(folder, pid, inputs)
-    else:
-        metrics = train_from_files(inputs, settings.run.device, held_on(settings) if stays_resident(settings) else "")
-    reclaim_sampler_memory(settings)
     return metrics
 
 
