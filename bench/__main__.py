@@ -22,6 +22,7 @@ from bench.learning import LEARNING_SAMPLES, LEARNING_STEPS, bench_learning
 from bench.scale import bench_scale
 from bench.server import bench_server
 from bench.train_io import bench_train_io
+from bench.verify_cost import bench_verify
 from retool.weights.models import build_default_model
 
 BENCHMARKS = {
@@ -37,6 +38,7 @@ BENCHMARKS = {
     "train-io": bench_train_io,
     "async": bench_async,
     "scale": bench_scale,
+    "verify": bench_verify,
 }
 
 

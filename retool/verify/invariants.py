@@ -11,7 +11,6 @@ import numpy
 import pyarrow as pa
 
 from retool.config.settings import StageSettings
-from retool.data.reward import score_answer
 from retool.files.layout import StepFolder
 from retool.files.tables import DATUMS, OBSERVATIONS, PROMPTS, SAMPLES, TRAJECTORIES, read_table, row_views
 from retool.protocol.chat import ChatProtocol
@@ -76,15 +75,15 @@ def check_accounting(folder: StepFolder, stage: StageSettings, step: int, report
 
 
 def check_rewards(folder: StepFolder, stage: StageSettings, step: int, report: Report) -> None:
-    """Each reward re-scored from the final text and the answer; each advantage its shaped reward less its group's
-    mean (over every branch of the question, as the step scored it)."""
+    """Each reward the ±1 of its verdict; each advantage its shaped reward less its group's mean (over every branch
+    of the question, as the step scored it)."""
     rows = read_table(folder.trajectories, TRAJECTORIES).to_pylist()
     groups: dict[int, list[dict]] = defaultdict(list)
     for row in rows:
         groups[row["question_index"]].append(row)
-        score = score_answer(row["final_text"] or "", row["answer"])
-        if (score.reward, score.correct, score.valid_format) != (row["reward"], row["correct"], row["valid_format"]):
-            message = f"reward {row['reward']} (correct {row['correct']}), its final text scores {score.reward}"
+        # Re-scored from the final text by the replay (retool/verify/replay.py); here the reward is its verdict's.
+        if row["reward"] != (1.0 if row["correct"] else -1.0) or (row["correct"] and not row["valid_format"]):
+            message = f"reward {row['reward']} with correct {row['correct']} and valid format {row['valid_format']}"
             report.add(
                 Finding("reward", str(folder.trajectories), message, step, row["question_index"], row["group_index"])
             )
