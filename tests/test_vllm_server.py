@@ -192,15 +192,15 @@ def test_every_process_serves_a_lora_policy_through_one_server_and_the_next_poli
 
 
 def test_the_server_sleeps_while_a_step_trains_and_wakes_after(configure, server, monkeypatch):
-    import retool.training.resume
+    import retool.run.placement
     from pipeline import TrainStep
 
     calls = []
     monkeypatch.setattr(ServerSampler, "sleep", lambda self: calls.append("sleep"))
-    monkeypatch.setattr(ServerSampler, "wake", lambda self: calls.append("wake"))
-    real_train = retool.training.resume.train_from_files
+    monkeypatch.setattr(ServerSampler, "wake", lambda self, *weights: calls.append("wake"))
+    real_train = retool.run.placement.train_from_files
     monkeypatch.setattr(
-        retool.training.resume, "train_from_files", lambda *a, **k: calls.append("train") or real_train(*a, **k)
+        retool.run.placement, "train_from_files", lambda *a, **k: calls.append("train") or real_train(*a, **k)
     )
     settings = configure(
         "sleep",
