@@ -125,6 +125,11 @@ def first_difference(expected, found) -> int | None:
     return None if len(a) == len(b) else length
 
 
+def branches(table: pa.Table) -> list[tuple[int, int]]:
+    """Each row's (question_index, group_index)."""
+    return list(zip(table.column("question_index").to_pylist(), table.column("group_index").to_pylist(), strict=True))
+
+
 def compare_tables(
     rule_of: dict[str, str | Callable[[tuple[int, int], int | None], str]],
     expected: pa.Table,
@@ -138,21 +143,18 @@ def compare_tables(
     the files' buffers, never as Python values (a step holds tens of millions of tokens). `rule_of`: the rule each
     compared column answers to, or a function of the branch and the first position that differs that says which."""
     expected, found = _matched(expected, found)
-    questions, groups = expected.column("question_index").to_pylist(), expected.column("group_index").to_pylist()
-    rounds = expected.column("round").to_pylist() if "round" in expected.column_names else [None] * len(questions)
+    keys = branches(expected)
+    rounds = expected.column("round").to_pylist() if "round" in expected.column_names else [None] * len(keys)
     for column, rule in rule_of.items():
         for row, position, message in _differences(column, expected.column(column), found.column(column)):
-            branch = (questions[row], groups[row])
+            branch = keys[row]
             named = rule if isinstance(rule, str) else rule(branch, position)
             report.add(Finding(named, str(file), message, step, *branch, rounds[row], position, column))
 
 
 def _matched(expected: pa.Table, found: pa.Table) -> tuple[pa.Table, pa.Table]:
     """Both tables' rows of the (question, branch) pairs they share, in one order."""
-    keys = [
-        list(zip(t.column("question_index").to_pylist(), t.column("group_index").to_pylist()))
-        for t in (expected, found)
-    ]
+    keys = [branches(expected), branches(found)]
     if keys[0] == keys[1]:
         return expected, found
     where = {branch: index for index, branch in enumerate(keys[1])}

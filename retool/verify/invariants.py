@@ -8,7 +8,6 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy
-import pyarrow as pa
 
 from retool.config.settings import StageSettings
 from retool.files.layout import StepFolder
@@ -17,14 +16,10 @@ from retool.protocol.chat import ChatProtocol
 from retool.rollout.replay import sample_rows
 from retool.rollout.state import turn_text
 from retool.sampling.contract import SampledSequence
-from retool.verify.findings import Finding, Report, first_difference
+from retool.verify.findings import Finding, Report, branches, first_difference
 
 Branch = tuple[int, int]  # (question_index, group_index)
 ADVANTAGE_TOLERANCE = 1e-5  # float32 rounding of a mean over a group
-
-
-def branches(table: pa.Table) -> list[Branch]:
-    return list(zip(table.column("question_index").to_pylist(), table.column("group_index").to_pylist(), strict=True))
 
 
 def check_once(file: Path, found: list[Branch], expected: set[Branch], step: int, report: Report, round_index=None):

@@ -17,8 +17,7 @@ from retool.rollout.replay import TOKEN_COLUMNS, StaleInputError, replay_files, 
 from retool.rollout.stage_tables import datums_table, observations_table, scored_table
 from retool.rollout.state import REFUSED, Trajectory
 from retool.sandbox.observation import ExecutionResult
-from retool.verify.findings import Finding, Report, compare_tables
-from retool.verify.invariants import branches
+from retool.verify.findings import Finding, Report, branches, compare_tables
 
 # The rule each column of a stage's file answers to.
 OBSERVATION_RULES = {
